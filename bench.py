@@ -1,0 +1,194 @@
+# tokens/s benchmark: vanilla and speculative modes in one process, on the same prompts and template.
+# Warm-up (and compile) time is excluded from the figures and reported apart.
+import argparse
+import json
+import resource
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+import generate
+from generate import Generator, Sampling, TreeSpec, UsageError
+
+REPO = Path(__file__).resolve().parent
+MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench.jsonl"
+
+
+def load_conversations(path, limit=None) -> list:
+    """MT-bench format: one JSON object per line with `turns` (or a single `prompt`)."""
+    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
+    return [r.get("turns") or [r["prompt"]] for r in rows][:limit]
+
+
+def peak_memory_mb(device) -> float:
+    if device.type == "cuda":
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+
+
+class Lap:
+    """Wall time per cycle phase, with a device sync at each mark (eager runs only)."""
+
+    def __init__(self, device):
+        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.totals, self.t = {}, time.perf_counter()
+
+    def __call__(self, name):
+        self.sync()
+        now = time.perf_counter()
+        self.totals[name] = self.totals.get(name, 0.0) + now - self.t
+        self.t = now
+
+
+def run_mode(gen: Generator, tokenizer, margs, conversations, a, sampling, progress=True) -> dict:
+    """Generates an answer for every turn (first turns unless --multi-turn); returns totals."""
+    totals = dict(new_tokens=0, seconds=0.0, cycles=0, hist=None, turns=0)
+    it = conversations
+    if progress:
+        from tqdm import tqdm
+
+        it = tqdm(conversations, desc=gen.spec.mode if gen.spec else "none", file=sys.stderr, leave=False)
+    for turns in it:
+        messages = []
+        for turn in turns if a.multi_turn else turns[:1]:
+            messages.append({"role": "user", "content": turn})
+            prompt = generate.encode_prompt(tokenizer, margs, messages, chat=True)
+            torch.manual_seed(a.seed)
+            r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens)
+            totals["new_tokens"] += len(r.token_ids)
+            totals["seconds"] += r.seconds
+            totals["turns"] += 1
+            if r.accept_hist:
+                totals["cycles"] += r.cycles
+                totals["hist"] = [x + y for x, y in zip(totals["hist"] or [0] * len(r.accept_hist), r.accept_hist)]
+            answer = [t for t in r.token_ids if t not in margs.stop_tokens]
+            messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
+    return totals
+
+
+def time_split(gen: Generator, tokenizer, margs, conversations, a, sampling) -> dict:
+    """Mean ms per cycle phase, measured eagerly with syncs on a few prompts."""
+    lap = Lap(gen.device)
+    cycles = 0
+    for turns in conversations[:3]:
+        prompt = generate.encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True)
+        torch.manual_seed(a.seed)
+        r = gen.generate(prompt, min(a.max_new_tokens, 64), sampling, margs.stop_tokens, lap=lap)
+        cycles += r.cycles
+    return {k: round(1000 * v / max(cycles, 1), 3) for k, v in lap.totals.items() if k != "prefill"}
+
+
+def bench(a) -> dict:
+    ns = generate.build_parser().parse_args(["--speculate", "none"])
+    for k in ("checkpoint", "draft", "draft_checkpoint", "device", "dtype", "compile", "temperature", "top_k", "top_p",
+              "depth", "topk", "num_draft_tokens", "speculate_k", "max_new_tokens", "seed"):
+        setattr(ns, k, getattr(a, k))
+    base, tokenizer, margs = generate.setup(ns)
+    target = base.target
+    conversations = load_conversations(a.prompts, a.num_prompts)
+    sampling = Sampling(a.temperature, a.top_k, a.top_p)
+    results = {}
+    for mode in a.modes.split(","):
+        ns.speculate = mode
+        gen = base if mode == "none" else _mode_generator(ns, target)
+        t0 = time.perf_counter()
+        run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False)  # warm-up and compile
+        warmup = time.perf_counter() - t0
+        if gen.device.type == "cuda":
+            torch.cuda.reset_peak_memory_stats()
+        tot = run_mode(gen, tokenizer, margs, conversations, a, sampling)
+        row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
+               "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
+               "peak_memory_mb": round(peak_memory_mb(gen.device), 1)}
+        if gen.spec:
+            hist, reached = tot["hist"], [sum(tot["hist"][d:]) for d in range(len(tot["hist"]))]
+            row.update(spec=gen.spec.__dict__, cycles=tot["cycles"],
+                       mean_accept_len=round(sum((i + 1) * c for i, c in enumerate(hist)) / tot["cycles"], 3),
+                       accept_rate_per_depth=[round(reached[d] / reached[d - 1], 3) if reached[d - 1] else 0.0 for d in range(1, len(hist))],
+                       cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3))
+            if a.split:
+                row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
+        results[mode] = row
+    if "none" in results:
+        for row in results.values():
+            row["speedup"] = round(row["tokens_per_s"] / results["none"]["tokens_per_s"], 3)
+    return {"device": _device_name(base.device), "dtype": str(target.tok_embeddings.weight.dtype), "compile": a.compile,
+            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
+            "prompts": str(a.prompts), "num_conversations": len(conversations), "multi_turn": a.multi_turn, "modes": results}
+
+
+def _mode_generator(ns, target) -> Generator:
+    """A Generator for ns.speculate that shares the already loaded target."""
+    spec = generate.make_spec(ns, target.tok_embeddings.weight.device)
+    head = draft_model = None
+    if spec.mode in ("eagle", "eagle2"):
+        draft = ns.draft or (generate.DEFAULT_HEAD if ns.checkpoint is None else None)
+        if draft is None:
+            raise UsageError("--modes eagle/eagle2 need --draft for this checkpoint")
+        head = generate.load_head(draft, target.args, target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype).eval()
+    else:
+        if ns.draft_checkpoint is None:
+            raise UsageError("--modes sps needs --draft-checkpoint")
+        draft_model = generate.load_model(ns.draft_checkpoint, target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype)
+    return Generator(target, spec, head, draft_model, compile=ns.compile)
+
+
+def _device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
+def print_table(report: dict):
+    print(f"device {report['device']}, {report['dtype']}, compile {report['compile']}, T={report['temperature']}, "
+          f"{report['num_conversations']} conversations, {report['max_new_tokens']} new tokens")
+    print(f"{'mode':8} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'cycle ms':>9} {'warmup s':>9} {'peak MB':>8}  per-depth acceptance / split ms")
+    for r in report["modes"].values():
+        extra = " ".join(f"{x:.2f}" for x in r.get("accept_rate_per_depth", []))
+        if "split_ms" in r:
+            extra += "  | " + " ".join(f"{k} {v}" for k, v in r["split_ms"].items())
+        print(f"{r['mode']:8} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
+              f"{r.get('cycle_ms', 1000 * r['seconds'] / max(r['new_tokens'], 1)):9.2f} {r['warmup_s']:9.2f} {r['peak_memory_mb']:8.0f}  {extra}")
+
+
+def main(argv=None) -> int:
+    p = generate._Parser(description="Benchmark vanilla and speculative decoding on the same prompts.")
+    p.add_argument("--checkpoint", type=Path, default=None)
+    p.add_argument("--draft", type=Path, default=None)
+    p.add_argument("--draft-checkpoint", type=Path, default=None)
+    p.add_argument("--modes", default="none,eagle2", help="comma list of none, eagle2, eagle, sps")
+    p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl (default: ../shared/data/mt_bench.jsonl)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--multi-turn", action="store_true", help="continue each conversation through all its turns")
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--temperature", type=float, default=0.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--compile", action="store_true")
+    p.add_argument("--depth", type=int, default=None)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--num-draft-tokens", type=int, default=None)
+    p.add_argument("--speculate-k", type=int, default=None)
+    p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
+    p.add_argument("--json-out", type=Path, default=None)
+    try:
+        a = p.parse_args(argv)
+        if not a.prompts.exists():
+            raise UsageError(f"prompts file {a.prompts} does not exist")
+        report = bench(a)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print_table(report)
+    if a.json_out:
+        a.json_out.write_text(json.dumps(report, indent=2) + "\n")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

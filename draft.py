@@ -1,0 +1,77 @@
+# The EAGLE-1/2 draft head: fc over [token embedding; target feature], then one decoder layer without
+# the input norm. It has no embedding, final norm or LM head of its own: the caller embeds tokens and
+# reads logits with the target's tensors, so they are shared, never copied.
+import json
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+from model import KVCache, ModelArgs, TransformerBlock, _fuse_qkv, load_state, rope_table
+
+
+class EagleHead(nn.Module):
+    def __init__(self, args: ModelArgs, fc_bias: bool = True):
+        super().__init__()
+        self.args = args
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
+        self.layers = nn.ModuleList([TransformerBlock(args, input_norm=False)])
+        self.max_seq_length = 0
+        self._register_load_state_dict_pre_hook(_fuse_qkv)
+
+    def setup_caches(self, max_seq_length: int, dtype=None):
+        dtype = dtype or self.fc.weight.dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            dtype = torch.bfloat16
+        self.max_seq_length = max_seq_length
+        a = self.layers[0].attention
+        a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(self.fc.weight.device)
+        # Heads use unscaled RoPE from their own config, sized by the target's context, not the
+        # head's max_position_embeddings (often 2048, shorter than the target).
+        self.register_buffer("rope", rope_table(self.args, max_seq_length).to(self.fc.weight.device), persistent=False)
+
+    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm)."""
+        x = self.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
+        rope = self.rope[input_pos]
+        if rope.dim() == 3:
+            rope = rope.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        for layer in self.layers:
+            x = layer(x, rope, cache_pos, mask)
+        return x
+
+
+def save_head(head: EagleHead, out_dir):
+    from safetensors.torch import save_file
+
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    head.args.save(out_dir / "config.json")
+    cfg = json.loads((out_dir / "config.json").read_text())
+    cfg.update(kind="eagle", fc_bias=head.fc.bias is not None)
+    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out_dir / "model.safetensors"))
+
+
+def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -> EagleHead:
+    """Loads a converted head directory and checks that it fits the target."""
+    path = Path(path)
+    cfg_path = path / "config.json"
+    if not cfg_path.exists():
+        raise FileNotFoundError(f"draft head {path} has no config.json (convert official heads with convert_hf_checkpoint.py --eagle)")
+    cfg = json.loads(cfg_path.read_text())
+    if cfg.get("kind") != "eagle":
+        raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle)")
+    args = ModelArgs.load(cfg_path)
+    if args.dim != target_args.dim:
+        raise ValueError(f"draft head hidden size {args.dim} does not fit the target's {target_args.dim}")
+    if args.vocab_size != target_args.vocab_size:
+        raise ValueError(f"draft head vocabulary {args.vocab_size} does not fit the target's {target_args.vocab_size}")
+    files = sorted(path.glob("*.safetensors"))
+    if not files:
+        raise FileNotFoundError(f"draft head {path} has no .safetensors weights")
+    with torch.device("meta"):
+        head = EagleHead(args, fc_bias=cfg.get("fc_bias", True))
+    head.load_state_dict(load_state(files[0]), assign=True)
+    return head.to(device=device, dtype=dtype)

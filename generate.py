@@ -1,0 +1,558 @@
+# Vanilla and speculative generation, and the CLI.
+#
+# One speculative cycle (eagle2), every shape fixed, one host sync at the end:
+#   draft_context  the head reads the pairs (target feature f_j, next token x_{j+1}) committed last cycle
+#   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (tree.py)
+#   verify         one target forward over [root] + m nodes
+#   commit         accept (tree.py), move the accepted KV rows into place, queue the next pairs
+import argparse
+import json
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import tp
+import tree
+from draft import EagleHead, load_head
+from model import ModelArgs, Transformer, causal_mask, load_state
+
+REPO = Path(__file__).resolve().parent
+DEFAULT_HEAD = REPO / "heads" / "SmolLM2-135M-Instruct"
+MODES = ("none", "eagle2", "eagle", "sps")
+_depths = tree.static_tree()[1].tolist()
+STATIC_LEVELS = [sum(d < level for d in _depths) for level in range(max(_depths) + 2)]  # first node of each level
+STATIC_TOPK = max(p[-1] for p in tree.EAGLE1_TREE) + 1
+
+
+class UsageError(Exception):
+    """Bad input: the CLI prints one line and exits with status 2."""
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def draw(self, logits: Tensor) -> Tensor:
+        return tree.draw(logits, self.temperature, self.top_k, self.top_p)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return tree.logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    mode: str = "eagle2"  # eagle2 (dynamic tree) | eagle (static tree) | sps (chain)
+    depth: int = 6  # draft levels: a cycle commits at most depth + 1 tokens
+    topk: int = 10
+    num_draft_tokens: int = 60  # m, tree nodes besides the root
+
+    @property
+    def scratch(self) -> int:
+        """Draft KV slots for tree nodes, after the context slots."""
+        if self.mode == "eagle2":
+            return (self.depth - 1) * self.topk
+        return len(tree.EAGLE1_TREE) if self.mode == "eagle" else 0
+
+    @property
+    def verify_len(self) -> int:
+        return {"eagle2": self.num_draft_tokens, "eagle": len(tree.EAGLE1_TREE), "sps": self.depth}[self.mode] + 1
+
+
+# ---------------------------------------------------------------- loading
+
+def load_model(checkpoint, device="cpu", dtype=torch.float32) -> Transformer:
+    path = Path(checkpoint)
+    if not path.exists():
+        raise UsageError(f"checkpoint {path} does not exist")
+    if not (path / "config.json").exists():
+        raise UsageError(f"{path} has no config.json: convert it first with convert_hf_checkpoint.py")
+    weights = path / "model.safetensors"
+    if not weights.exists():
+        raise UsageError(f"{path} has no model.safetensors: convert it first with convert_hf_checkpoint.py")
+    args = ModelArgs.load(path / "config.json")
+    with torch.device("meta"):
+        model = Transformer(args)
+    state = load_state(weights)
+    if args.tie_embeddings:
+        state.setdefault("output.weight", state["tok_embeddings.weight"])
+    try:
+        model.load_state_dict(state, assign=True)
+    except RuntimeError as e:
+        raise UsageError(f"{weights} does not match its config.json: {str(e).splitlines()[0]}") from None
+    model = model.to(device=device, dtype=dtype)
+    if args.tie_embeddings:
+        model.output.weight = model.tok_embeddings.weight
+    return model.eval()
+
+
+def ensure_caches(model: nn.Module, length: int, **kw):
+    # Rounded up and only ever grown, so compiled steps see one cache shape across prompts.
+    length = -(-length // 256) * 256
+    if model.max_seq_length < length:
+        model.setup_caches(length, **kw)
+
+
+# ---------------------------------------------------------------- vanilla decoding
+
+def prefill(model: Transformer, prompt: Tensor) -> Tensor:
+    """prompt [1, T] -> post-norm features [T, dim]; fills KV slots [0, T)."""
+    pos = torch.arange(prompt.shape[1], device=prompt.device)
+    return model.features(prompt, pos, pos, causal_mask(pos, model.max_seq_length))[0]
+
+
+def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
+    logits, _ = model(token.view(1, 1), pos, pos, causal_mask(pos, model.max_seq_length))
+    return sampling.draw(logits[0, -1]).view(1)
+
+
+# ---------------------------------------------------------------- the speculative cycle
+
+class SpecState(nn.Module):
+    """Everything a cycle carries to the next, as buffers updated in place (CUDA-graph friendly).
+
+    L: committed tokens with target KV. root: the last committed token, in no cache yet.
+    pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real.
+    prev: the token before root (sps: the draft model rereads it)."""
+
+    def __init__(self, spec: TreeSpec, dim: int, device):
+        super().__init__()
+        rows = spec.depth + 1
+        for name, shape, dtype in [("L", (), torch.long), ("root", (1,), torch.long), ("prev", (1,), torch.long),
+                                   ("n_pend", (), torch.long), ("pend_tok", (rows,), torch.long),
+                                   ("pend_feat", (rows, dim), torch.float32)]:
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        if spec.mode == "eagle":
+            parents, depths, ranks = tree.static_tree()
+            self.register_buffer("static_parents", parents.to(device))
+            self.register_buffer("static_ranks", ranks.to(device))
+            self.register_buffer("static_anc", tree.ancestor_mask(parents, spec.depth)[1:, 1:].to(device))
+        if spec.mode == "eagle2":
+            self.register_buffer("scratch_eye", torch.eye(spec.scratch, dtype=torch.bool, device=device))
+
+
+def head_step(target: Transformer, head: EagleHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
+    """The head over n rows -> (predicted features [n, dim], draft logits [n, V])."""
+    h = head(target.tok_embeddings(tokens)[None], feats[None], pos, slots, mask)[0]
+    return h, target.output(h)
+
+
+def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
+    """Writes the pending pairs into the draft KV (true target features only) and returns the head's
+    output at the last one, the predicted feature of the root."""
+    rows = torch.arange(spec.depth + 1, device=st.L.device)
+    slots = st.L - st.n_pend + rows  # rows past n_pend are padding, written past L and never read
+    mask = causal_mask(slots, head.max_seq_length)
+    h = head(target.tok_embeddings(st.pend_tok)[None], st.pend_feat[None], slots, slots, mask)[0]
+    return h.index_select(0, st.n_pend.view(1) - 1)[0]  # a tensor index keeps the graph free of syncs
+
+
+def scratch_mask(st: SpecState, head: EagleHead, anc: Tensor) -> Tensor:
+    """Draft mask for tree nodes: the whole committed context plus their ancestors in the scratch."""
+    ctx = head.max_seq_length - anc.shape[1]
+    prefix = torch.arange(ctx, device=anc.device) < st.L
+    return torch.cat([prefix.expand(anc.shape[0], ctx), anc], dim=-1)
+
+
+def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
+    """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool."""
+    k = spec.topk
+    ctx = head.max_seq_length - spec.scratch
+    feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
+
+    def step(level, tok, parent):
+        nonlocal feat, anc
+        slots = ctx + (level - 1) * k + torch.arange(k, device=tok.device)
+        anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
+        feat, logits = head_step(target, head, tok, feat[parent], (st.L - 1 + level).expand(k), slots, scratch_mask(st, head, anc))
+        return F.log_softmax(logits.float(), dim=-1)
+
+    root_logp = F.log_softmax(target.output(h_root).float(), dim=-1)
+    sel, pool_tok, pool_parent = tree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
+    return tree.tree_from_pool(sel, pool_tok, pool_parent, st.root)
+
+
+def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
+    """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank."""
+    parents, ranks = st.static_parents, st.static_ranks
+    ctx = head.max_seq_length - spec.scratch
+    tokens, feats = [st.root], h_root[None]
+    top = torch.topk(target.output(h_root), STATIC_TOPK).indices[None]
+    for level in range(1, spec.depth + 1):
+        first, last = STATIC_LEVELS[level], STATIC_LEVELS[level + 1]
+        local_parent = parents[first:last] - STATIC_LEVELS[level - 1]
+        tok = top[local_parent, ranks[first:last]]
+        tokens.append(tok)
+        if level == spec.depth:
+            break
+        nodes = torch.arange(first, last, device=tok.device)
+        pos = (st.L - 1 + level).expand(last - first)
+        mask = scratch_mask(st, head, st.static_anc[nodes - 1])
+        feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
+        top = torch.topk(logits, STATIC_TOPK).indices
+    return torch.cat(tokens), parents
+
+
+def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor):
+    """One target forward over the tree at slots L.., positions L + depth, each node seeing the
+    committed context and its ancestors."""
+    n, S = tokens.shape[0], target.max_seq_length
+    rel = torch.arange(S, device=tokens.device) - st.L
+    in_tree = (rel >= 0) & (rel < n)
+    mask = (rel < 0) | (anc[:, rel.clamp(0, n - 1)] & in_tree)
+    slots = st.L + torch.arange(n, device=tokens.device)
+    logits, h = target(tokens[None], st.L + depths, slots, mask)
+    return logits[0], h[0]
+
+
+def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h):
+    """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape;
+    rows past accept_len are garbage beyond the new length) and queues their features for the draft."""
+    rows = torch.arange(spec.depth + 1, device=tokens.device)
+    for layer in target.layers:
+        layer.attention.kv_cache.move(st.L + path, st.L + rows)
+    nxt = torch.cat([tokens[path[1:]], bonus.view(1)])
+    nxt = torch.where(rows == accept_len, bonus, nxt)
+    st.pend_feat.copy_(h[path])
+    st.pend_tok.copy_(nxt)
+    st.n_pend.copy_(accept_len + 1)
+    st.prev.copy_(tokens[path[-1:]])
+    st.L.add_(accept_len + 1)
+    st.root.copy_(bonus.view(1))
+    return torch.cat([accept_len.view(1), nxt])
+
+
+def tree_cycle(target: Transformer, head: EagleHead, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """One EAGLE / EAGLE-2 cycle. Returns [accept_len, committed tokens (depth+1, the first
+    accept_len+1 real)]. lap(name), eager only, marks where each phase ends (bench.py's time split)."""
+    h_root = draft_context(target, head, st, spec)
+    draft_tree = draft_dynamic if spec.mode == "eagle2" else draft_static
+    tokens, parents = draft_tree(target, head, st, spec, h_root)
+    lap and lap("draft")
+    anc = tree.ancestor_mask(parents, spec.depth)
+    depths = anc.sum(-1) - 1
+    lap and lap("tree")
+    logits, h = verify(target, st, tokens, anc, depths)
+    lap and lap("verify")
+    accept_len, path, bonus = tree.accept(tokens, parents, depths, sampling.draw(logits), spec.depth)
+    out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
+    lap and lap("accept")
+    return out
+
+
+def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """Classic speculative sampling: a small draft LLM proposes a chain of k tokens."""
+    k, device = spec.depth, st.L.device
+    # The draft rereads the token before root, so its KV is complete even after a fully accepted chain.
+    pos = st.L - 1 + torch.arange(2, device=device)
+    logits = draft_model(torch.cat([st.prev, st.root])[None], pos, pos, causal_mask(pos, draft_model.max_seq_length))[0][0, -1]
+    drafts, qs = [], []
+    for i in range(k):
+        if i:
+            pos = (st.L + i).view(1)
+            logits = draft_model(drafts[-1].view(1, 1), pos, pos, causal_mask(pos, draft_model.max_seq_length))[0][0, -1]
+        if sampling.temperature == 0:
+            drafts.append(torch.argmax(logits))
+        else:
+            qs.append(sampling.probs(logits))
+            drafts.append(tree.sample(qs[-1]))
+    tokens = torch.cat([st.root, torch.stack(drafts)])
+    lap and lap("draft")
+    chain = torch.arange(k + 1, device=device)
+    parents = (chain - 1).clamp(min=0)
+    lap and lap("tree")
+    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
+    lap and lap("verify")
+    if sampling.temperature == 0:
+        accept_len, path, bonus = tree.accept(tokens, parents, chain, logits.argmax(-1), k)
+    else:
+        accept_len, bonus = tree.accept_chain(tokens[1:], sampling.probs(logits), torch.stack(qs))
+        path = chain.clamp(max=accept_len)
+    out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
+    lap and lap("accept")
+    return out
+
+
+# ---------------------------------------------------------------- generation
+
+@dataclass
+class Result:
+    token_ids: list
+    seconds: float
+    cycles: int = 0
+    accept_hist: Optional[list] = None  # cycles that accepted 0, 1, ... depth draft tokens
+
+    def metrics(self, spec: Optional[TreeSpec]) -> dict:
+        out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
+               "tokens_per_s": round(len(self.token_ids) / max(self.seconds, 1e-9), 2)}
+        if spec is None or not self.cycles:
+            return out
+        hist = self.accept_hist
+        reached = [sum(hist[d:]) for d in range(len(hist))]
+        out.update(
+            cycles=self.cycles,
+            # tau: tokens committed per target forward (verify), the bonus token included
+            mean_accept_len=round(sum((a + 1) * c for a, c in enumerate(hist)) / self.cycles, 4),
+            accept_len_hist=hist,
+            accept_rate_per_depth=[round(reached[d] / reached[d - 1], 4) if reached[d - 1] else 0.0 for d in range(1, len(hist))],
+        )
+        return out
+
+
+def compiled(fn, **kw):
+    # Dynamo skips any module named "tree" (its skip list names the PyPI package dm-tree), which
+    # catches our tree.py too; dont_skip_tracing lifts that for the functions we compile.
+    return torch.compile(torch._dynamo.dont_skip_tracing(fn), fullgraph=True, **kw)
+
+
+class Generator:
+    """Owns the models, their caches and the (optionally compiled) step functions."""
+
+    def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[EagleHead] = None,
+                 draft_model: Optional[Transformer] = None, compile: bool = False):
+        self.target, self.spec, self.head, self.draft_model = target, spec, head, draft_model
+        self.device = target.tok_embeddings.weight.device
+        self.state = SpecState(spec, target.args.dim, self.device) if spec else None
+        self.prefill, self.decode_one = prefill, decode_one
+        self.cycle = self.eager_cycle = tree_cycle if spec and spec.mode != "sps" else sps_cycle
+        if compile:
+            cuda = self.device.type == "cuda"
+            mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
+            self.prefill = compiled(prefill, dynamic=True)
+            self.decode_one = compiled(decode_one, mode=mode)
+            self.cycle = compiled(self.cycle, mode=mode)
+
+    def reserve(self, max_len: int):
+        """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit."""
+        extra = (self.spec.verify_len + self.spec.depth + 2) if self.spec else 1
+        ensure_caches(self.target, max_len + extra)
+        if self.head is not None:
+            ctx = self.target.max_seq_length
+            if self.head.max_seq_length != ctx + self.spec.scratch:
+                self.head.setup_caches(ctx + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
+        if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:
+            self.draft_model.setup_caches(self.target.max_seq_length)
+
+    @torch.inference_mode()
+    def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), on_tokens=None, lap=None) -> Result:
+        """lap(name): run the cycle eagerly and call lap at the end of each phase (bench.py's split)."""
+        if len(prompt) + max_new_tokens > self.target.args.block_size:
+            raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
+        self.reserve(len(prompt) + max_new_tokens)
+        stop_ids = set(stop_ids)
+        sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
+        sync()
+        t0 = time.perf_counter()
+        x = torch.tensor([prompt], device=self.device)
+        feats = self.prefill(self.target, x)
+        root = sampling.draw(self.target.output(feats[-1]))
+        lap and lap("prefill")
+        out = [int(root)]
+        if on_tokens:
+            on_tokens(out)
+        hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
+        cycles = 0
+        if self.spec:
+            self._start(x, feats, root)
+            lap and lap("prefill")
+        while len(out) < max_new_tokens and out[-1] not in stop_ids:
+            if self.spec:
+                drafter = self.head if self.head is not None else self.draft_model
+                if lap:
+                    chunk = self.eager_cycle(self.target, drafter, self.state, self.spec, sampling, lap).tolist()
+                else:
+                    chunk = self.cycle(self.target, drafter, self.state, self.spec, sampling).tolist()
+                accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
+                hist[accept_len] += 1
+                cycles += 1
+            else:
+                pos = torch.tensor([len(prompt) + len(out) - 1], device=self.device)
+                new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
+            new = new[: max_new_tokens - len(out)]
+            for i, t in enumerate(new):
+                if t in stop_ids:
+                    new = new[: i + 1]
+                    break
+            out += new
+            if on_tokens:
+                on_tokens(new)
+        sync()
+        return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None)
+
+    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor):
+        st, T = self.state, prompt.shape[1]
+        st.L.fill_(T)
+        st.root.copy_(root.view(1))
+        st.prev.copy_(prompt[0, -1:])
+        st.n_pend.fill_(1)
+        st.pend_tok[0] = root
+        st.pend_feat[0] = feats[-1].float()
+        if self.head is not None and T > 1:
+            # The draft's context: feature f_j with token x_{j+1}; the last pair waits in pend_*.
+            pos = torch.arange(T - 1, device=self.device)
+            self.head(self.target.tok_embeddings(prompt[:, 1:]), feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
+        if self.draft_model is not None and T > 1:
+            prefill(self.draft_model, prompt[:, :-1])
+
+
+# ---------------------------------------------------------------- CLI
+
+class _Parser(argparse.ArgumentParser):
+    def error(self, message):
+        raise UsageError(message)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = _Parser(description="Generate text with a LLaMA-family model, optionally with speculative decoding.")
+    p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: on for chat models)")
+    p.add_argument("--max-new-tokens", type=int, default=200)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (argmax)")
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: float32 on CPU, bfloat16 on CUDA")
+    p.add_argument("--compile", action="store_true", help="torch.compile the steps (CUDA graphs on a GPU)")
+    p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
+    p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
+    p.add_argument("--depth", type=int, default=None, help="draft levels (eagle2 default 6; sps chain length)")
+    p.add_argument("--speculate-k", type=int, default=None, help="sps: draft chain length (default 4)")
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="m: tree nodes verified besides the root (default 60 on GPU, 16 on CPU)")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    return p
+
+
+def check_args(a):
+    if a.speculate not in MODES:
+        raise UsageError(f"unknown --speculate mode {a.speculate!r}; choose from {', '.join(MODES)}")
+    if a.temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {a.temperature}")
+    if not 0 < a.top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {a.top_p}")
+    if a.top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {a.top_k}")
+    if a.max_new_tokens < 1:
+        raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+    for name in ("depth", "speculate_k", "topk", "num_draft_tokens"):
+        if getattr(a, name) is not None and getattr(a, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+
+
+def make_spec(a, device) -> Optional[TreeSpec]:
+    if a.speculate == "none":
+        return None
+    if a.speculate == "sps":
+        return TreeSpec("sps", depth=a.speculate_k or a.depth or 4, topk=1, num_draft_tokens=0)
+    if a.speculate == "eagle":
+        return TreeSpec("eagle", depth=max(len(p) for p in tree.EAGLE1_TREE), topk=10, num_draft_tokens=len(tree.EAGLE1_TREE))
+    depth = a.depth or 6
+    m = a.num_draft_tokens or (60 if torch.device(device).type == "cuda" else 16)
+    pool = a.topk + (depth - 1) * a.topk * a.topk
+    if m > pool:
+        raise UsageError(f"--num-draft-tokens {m} exceeds the {pool} candidates of depth {depth} and topk {a.topk}")
+    return TreeSpec("eagle2", depth=depth, topk=a.topk, num_draft_tokens=m)
+
+
+def setup(a):
+    """CLI args -> (Generator, tokenizer, model args). Raises UsageError on bad input."""
+    check_args(a)
+    device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    checkpoint = a.checkpoint
+    if checkpoint is None:
+        from convert_hf_checkpoint import default_checkpoint
+
+        try:
+            checkpoint = default_checkpoint()
+        except FileNotFoundError as e:
+            raise UsageError(str(e)) from None
+    tp_rank = tp.maybe_init_dist()
+    # Under tensor parallelism the target is sharded on the CPU, so each GPU receives only its slice.
+    target = load_model(checkpoint, "cpu" if tp_rank is not None else device, dtype)
+    if tp_rank is not None:
+        try:
+            tp.apply_tp(target)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        target.to(device)
+    spec = make_spec(a, device)
+    head = draft_model = None
+    if spec and spec.mode in ("eagle", "eagle2"):
+        draft = a.draft or (DEFAULT_HEAD if a.checkpoint is None else None)
+        if draft is None:
+            raise UsageError("--speculate eagle/eagle2 needs --draft HEAD_DIR for this checkpoint")
+        try:
+            head = load_head(draft, target.args, device, dtype).eval()
+        except (FileNotFoundError, ValueError) as e:
+            raise UsageError(str(e).splitlines()[0]) from None
+    if spec and spec.mode == "sps":
+        if a.draft_checkpoint is None:
+            raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
+        draft_model = load_model(a.draft_checkpoint, device, dtype)
+        if draft_model.args.vocab_size != target.args.vocab_size:
+            raise UsageError(f"draft vocabulary {draft_model.args.vocab_size} does not fit the target's {target.args.vocab_size}")
+    from tokenizer import load_tokenizer
+
+    return Generator(target, spec, head, draft_model, compile=a.compile), load_tokenizer(checkpoint), target.args
+
+
+def encode_prompt(tokenizer, args: ModelArgs, messages: list, chat: bool) -> list:
+    from tokenizer import format_chat
+
+    text = format_chat(args.chat_template if chat else "", messages)
+    return ([args.bos_token] if args.bos_token is not None else []) + tokenizer.encode(text)
+
+
+def main(argv=None) -> int:
+    quiet = tp.rank() != 0  # every rank generates the same tokens; rank 0 alone prints them
+    try:
+        a = build_parser().parse_args(argv)
+        gen, tokenizer, margs = setup(a)
+        chat = a.chat if a.chat is not None else bool(margs.chat_template)
+        prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": a.prompt}], chat)
+        torch.manual_seed(a.seed)
+        sampling = Sampling(a.temperature, a.top_k, a.top_p)
+        stream = None
+        if not a.json and not quiet:
+            from tokenizer import StreamDecoder
+
+            decoder, ids = StreamDecoder(tokenizer), []
+
+            def stream(new):
+                ids.extend(t for t in new if t not in margs.stop_tokens)
+                print(decoder.push(ids), end="", flush=True)
+
+        result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream)
+    except UsageError as e:
+        if not quiet:
+            print(f"error: {e}", file=sys.stderr)
+        return 2
+    if quiet:
+        return 0
+    text = tokenizer.decode([t for t in result.token_ids if t not in margs.stop_tokens])
+    metrics = result.metrics(gen.spec)
+    if a.json:
+        print(json.dumps({"text": text, "token_ids": result.token_ids, **metrics}))
+    else:
+        print()
+        summary = ", ".join(f"{k} {v}" for k, v in metrics.items() if k not in ("accept_len_hist",))
+        print(f"[{summary}]", file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    status = main()
+    tp.destroy_dist()
+    sys.exit(status)

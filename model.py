@@ -1,0 +1,249 @@
+# The LLaMA Transformer with a static KV cache.
+# forward() takes the RoPE positions, the KV slots and the attention mask apart, because a draft tree
+# needs them apart: a tree node's slot is L + node, its position is L + depth, its mask row its ancestors.
+import json
+import math
+from dataclasses import asdict, dataclass, field, fields
+from pathlib import Path
+from typing import Optional
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+
+@dataclass
+class ModelArgs:
+    dim: int = 4096
+    n_layer: int = 32
+    n_head: int = 32
+    n_local_heads: int = -1  # key/value heads (GQA); -1 means n_head
+    head_dim: int = 0  # 0 means dim // n_head
+    intermediate_size: int = 11008
+    vocab_size: int = 32000
+    norm_eps: float = 1e-5
+    rope_base: float = 10000.0
+    rope_scaling: Optional[dict] = None  # Llama-3.1 style {"rope_type": "llama3", "factor": ..., ...}
+    block_size: int = 4096  # max_position_embeddings
+    tie_embeddings: bool = False
+    chat_template: str = ""  # llama2 | vicuna | llama3 | chatml | "" (none)
+    stop_tokens: list = field(default_factory=list)
+    bos_token: Optional[int] = None  # prepended to every prompt when set
+
+    def __post_init__(self):
+        if self.n_local_heads == -1:
+            self.n_local_heads = self.n_head
+        if not self.head_dim:
+            self.head_dim = self.dim // self.n_head
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        scaling = cfg.get("rope_scaling") or None
+        if scaling is None and isinstance(cfg.get("rope_parameters"), dict):  # transformers >= 5 layout
+            rp = cfg["rope_parameters"]
+            if rp.get("rope_type", "default") != "default":
+                scaling = rp
+        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+        return cls(
+            dim=cfg["hidden_size"],
+            n_layer=cfg["num_hidden_layers"],
+            n_head=cfg["num_attention_heads"],
+            n_local_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            intermediate_size=cfg["intermediate_size"],
+            vocab_size=cfg["vocab_size"],
+            norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_base=float(theta),
+            rope_scaling=scaling,
+            block_size=cfg.get("max_position_embeddings", 4096),
+            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        )
+
+    @classmethod
+    def load(cls, path) -> "ModelArgs":
+        known = {f.name for f in fields(cls)}
+        return cls(**{k: v for k, v in json.loads(Path(path).read_text()).items() if k in known})
+
+    def save(self, path):
+        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+
+
+def rope_frequencies(args: ModelArgs) -> Tensor:
+    d = args.head_dim
+    freqs = 1.0 / (args.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+    s = args.rope_scaling
+    if not s:
+        return freqs
+    kind = s.get("rope_type", s.get("type"))
+    if kind == "linear":
+        return freqs / s["factor"]
+    if kind != "llama3":
+        raise ValueError(f"unsupported rope_scaling type {kind!r} (supported: llama3, linear)")
+    factor, lo, hi = s["factor"], s.get("low_freq_factor", 1.0), s.get("high_freq_factor", 4.0)
+    old_len = s.get("original_max_position_embeddings", 8192)
+    wavelen = 2 * math.pi / freqs
+    smooth = (old_len / wavelen - lo) / (hi - lo)
+    mid = (1 - smooth) * freqs / factor + smooth * freqs
+    return torch.where(wavelen < old_len / hi, freqs, torch.where(wavelen > old_len / lo, freqs / factor, mid))
+
+
+def rope_table(args: ModelArgs, length: int) -> Tensor:
+    """[length, head_dim/2, 2] (cos, sin) in fp32."""
+    angles = torch.outer(torch.arange(length, dtype=torch.float64), rope_frequencies(args))
+    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+
+
+def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
+    # Interleaved pairs (2i, 2i+1), the Meta / gpt-fast layout; HF checkpoints are permuted into it.
+    xs = x.float().reshape(*x.shape[:-1], -1, 2)
+    rope = rope.view(rope.shape[0], rope.shape[1], 1, rope.shape[2], 2)  # [B, T, 1, D/2, 2]
+    out = torch.stack(
+        [xs[..., 0] * rope[..., 0] - xs[..., 1] * rope[..., 1], xs[..., 1] * rope[..., 0] + xs[..., 0] * rope[..., 1]],
+        dim=-1,
+    )
+    return out.flatten(-2).type_as(x)
+
+
+class KVCache(nn.Module):
+    def __init__(self, batch: int, heads: int, length: int, head_dim: int, dtype):
+        super().__init__()
+        shape = (batch, heads, length, head_dim)
+        self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+
+    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
+        self.k_cache.index_copy_(2, cache_pos, k)
+        self.v_cache.index_copy_(2, cache_pos, v)
+        return self.k_cache, self.v_cache
+
+    def move(self, src: Tensor, dst: Tensor):
+        # index_select copies first, so overlapping source and destination slots are safe.
+        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
+        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        xf = x.float()
+        return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)).type_as(x) * self.weight
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, in_dim: Optional[int] = None):
+        super().__init__()
+        self.n_head, self.n_kv, self.head_dim = args.n_head, args.n_local_heads, args.head_dim
+        self.wqkv = nn.Linear(in_dim or args.dim, (args.n_head + 2 * args.n_local_heads) * args.head_dim, bias=False)
+        self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
+        self.kv_cache: Optional[KVCache] = None
+
+    def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        B, T, _ = x.shape
+        q_size, kv_size = self.n_head * self.head_dim, self.n_kv * self.head_dim
+        q, k, v = self.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
+        k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)
+        v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.kv_cache is not None:
+            k, v = self.kv_cache.update(cache_pos, k, v)
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
+        return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+
+
+class FeedForward(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
+        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+
+
+class TransformerBlock(nn.Module):
+    def __init__(self, args: ModelArgs, input_norm: bool = True):
+        super().__init__()
+        self.attention = Attention(args)
+        self.feed_forward = FeedForward(args)
+        # The EAGLE head's single layer has no input norm: fc output goes straight into attention.
+        self.attention_norm = RMSNorm(args.dim, args.norm_eps) if input_norm else nn.Identity()
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+
+    def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        h = x + self.attention(self.attention_norm(x), rope, cache_pos, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+def _fuse_qkv(state_dict, prefix, *args):
+    # Checkpoints may store wq / wk / wv apart; the module keeps one fused matrix (one GEMM).
+    for layer_prefix in {k[: -len("wq.weight")] for k in state_dict if k.startswith(prefix) and k.endswith(".wq.weight")}:
+        parts = [state_dict.pop(layer_prefix + f"w{c}.weight") for c in "qkv"]
+        state_dict[layer_prefix + "wqkv.weight"] = torch.cat(parts)
+
+
+class Transformer(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.tok_embeddings = nn.Embedding(args.vocab_size, args.dim)
+        self.layers = nn.ModuleList(TransformerBlock(args) for _ in range(args.n_layer))
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.output = nn.Linear(args.dim, args.vocab_size, bias=False)
+        if args.tie_embeddings:
+            self.output.weight = self.tok_embeddings.weight
+        self.max_seq_length = 0
+        self._register_load_state_dict_pre_hook(_fuse_qkv)
+
+    def setup_caches(self, max_seq_length: int, batch: int = 1, dtype=None):
+        """Allocates the KV caches and the RoPE table; the table always covers the whole cache."""
+        dtype = dtype or self.tok_embeddings.weight.dtype
+        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
+            dtype = torch.bfloat16  # quantised embeddings: caches in the activation dtype
+        device = self.tok_embeddings.weight.device
+        self.max_seq_length = max_seq_length
+        for layer in self.layers:
+            a = layer.attention
+            a.kv_cache = KVCache(batch, a.n_kv, max_seq_length, a.head_dim, dtype).to(device)
+        self.register_buffer("rope", rope_table(self.args, max_seq_length).to(device), persistent=False)
+
+    def features(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        """Post-norm hidden states (what the LM head reads and EAGLE calls features).
+
+        idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots;
+        mask [T, S] or [B, T, S] bool over all S cache slots (True = may attend)."""
+        x = self.tok_embeddings(idx)
+        return self.norm(self.run_layers(x, input_pos, cache_pos, mask))
+
+    def run_layers(self, x: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        rope = self.rope[input_pos]
+        if rope.dim() == 3:
+            rope = rope.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
+        for layer in self.layers:
+            x = layer(x, rope, cache_pos, mask)
+        return x
+
+    def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor):
+        h = self.features(idx, input_pos, cache_pos, mask)
+        return self.output(h), h
+
+
+def causal_mask(cache_pos: Tensor, max_seq_length: int) -> Tensor:
+    """Row i may read every slot up to and including cache_pos[i]."""
+    return torch.arange(max_seq_length, device=cache_pos.device) <= cache_pos.unsqueeze(-1)
+
+
+def load_state(path: Path) -> dict:
+    """Weights from a safetensors file, or a pickle read with weights_only=True."""
+    path = Path(path)
+    if path.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(str(path))
+    return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)

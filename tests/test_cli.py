@@ -1,0 +1,77 @@
+# generate.py end to end on the embedded default model: greedy parity with transformers, bad input.
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+import generate
+
+REPO = Path(__file__).resolve().parents[1]
+PROMPTS = ["What is the capital of France?", "Explain in two sentences why the sky is blue.", "Write a short poem about the ocean."]
+
+
+@pytest.fixture(scope="module")
+def default_dir():
+    convert = pytest.importorskip("convert_hf_checkpoint")
+    try:
+        return convert.default_checkpoint()
+    except FileNotFoundError as e:
+        pytest.skip(str(e))
+
+
+def run_json(*argv):
+    return json.loads(subprocess.run([sys.executable, "generate.py", "--json", *argv], cwd=REPO, capture_output=True, text=True, check=True).stdout)
+
+
+@pytest.fixture(scope="module")
+def hf_greedy(default_dir):
+    """transformers' greedy generate on the same GGUF, the reference for our output."""
+    transformers = pytest.importorskip("transformers")
+    os.environ["HF_HUB_OFFLINE"] = "1"
+    from convert_hf_checkpoint import smollm2_gguf
+
+    gguf = Path(smollm2_gguf())
+    model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
+    from tokenizer import load_tokenizer
+
+    tok, args = load_tokenizer(default_dir), generate.ModelArgs.load(default_dir / "config.json")
+    out = {}
+    for prompt in PROMPTS:
+        ids = generate.encode_prompt(tok, args, [{"role": "user", "content": prompt}], chat=True)
+        with torch.no_grad():
+            gen = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=args.stop_tokens, pad_token_id=args.stop_tokens[0])
+        out[prompt] = gen[0, len(ids):].tolist()
+    return out
+
+
+@pytest.mark.parametrize("prompt", PROMPTS)
+def test_greedy_matches_transformers(default_dir, hf_greedy, prompt):
+    ours = run_json("--prompt", prompt, "--max-new-tokens", "48")
+    assert ours["token_ids"] == hf_greedy[prompt]
+    assert ours["new_tokens"] == len(ours["token_ids"]) <= 48
+    if "France" in prompt:
+        assert "Paris" in ours["text"]
+
+
+BAD = [
+    (["--checkpoint", "/nonexistent/model"], "does not exist"),
+    (["--checkpoint", str(REPO / "tests")], "config.json"),
+    (["--speculate", "medusa"], "unknown --speculate"),
+    (["--max-new-tokens", "9000"], "exceeds the context"),
+    (["--temperature", "-0.5"], "--temperature"),
+    (["--top-p", "0"], "--top-p"),
+    (["--top-p", "1.5"], "--top-p"),
+]
+
+
+@pytest.mark.parametrize("argv,message", BAD)
+def test_bad_input_is_one_line_exit_2(default_dir, argv, message):
+    r = subprocess.run([sys.executable, "generate.py", *argv], cwd=REPO, capture_output=True, text=True)
+    assert r.returncode == 2, r.stderr
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
+    assert "Traceback" not in r.stderr

@@ -1,0 +1,319 @@
+# One small interface over the three tokenizer kinds LLaMA-family checkpoints ship with
+# (sentencepiece, Llama-3 tiktoken, HF tokenizer.json), plus chat templates as plain string formatting.
+import base64
+import functools
+import itertools
+import json
+import re
+from pathlib import Path
+from typing import Optional, Protocol
+
+import gguf
+import sentencepiece as spm
+import tiktoken
+import tokenizers
+from tokenizers import AddedToken, decoders, models, pre_tokenizers
+
+
+class Tokenizer(Protocol):
+    vocab_size: int
+    bos_id: Optional[int]
+    eos_id: Optional[int]
+
+    def encode(self, text: str) -> list[int]:
+        """Special-token texts inside `text` become their ids; never adds BOS."""
+        ...
+
+    def decode(self, ids: list[int]) -> str: ...
+
+    def special_id(self, text: str) -> Optional[int]: ...
+
+
+class SentencePieceTokenizer:
+    def __init__(self, path: Path):
+        self.sp = spm.SentencePieceProcessor(model_file=str(path))
+        self.vocab_size = self.sp.get_piece_size()
+        self.bos_id = self.sp.bos_id() if self.sp.bos_id() >= 0 else None
+        self.eos_id = self.sp.eos_id() if self.sp.eos_id() >= 0 else None
+        self.specials = {
+            self.sp.id_to_piece(i): i
+            for i in range(self.vocab_size)
+            if self.sp.is_control(i) or self.sp.is_unknown(i)
+        }
+        self.special_texts = {i: piece for piece, i in self.specials.items()}
+        # sentencepiece reads "<s>" in text as the characters '<', 's', '>', so specials are split out first
+        longest_first = sorted(self.specials, key=len, reverse=True)
+        self.special_pattern = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
+
+    def encode(self, text: str) -> list[int]:
+        ids = []
+        for part in self.special_pattern.split(text):
+            if part in self.specials:
+                ids.append(self.specials[part])
+            elif part:
+                ids.extend(self.sp.encode(part))
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        parts = []
+        for is_special, group in itertools.groupby(ids, key=self.special_texts.__contains__):
+            group = list(group)
+            parts.append("".join(self.special_texts[i] for i in group) if is_special else self.sp.decode(group))
+        return "".join(parts)
+
+    def special_id(self, text: str) -> Optional[int]:
+        return self.specials.get(text)
+
+
+# Meta's Llama-3 tokenizer: split pattern and the 256 special tokens that follow the base ranks, in Meta's order
+LLAMA3_PATTERN = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+"
+LLAMA3_SPECIAL_TOKENS = [
+    "<|begin_of_text|>",
+    "<|end_of_text|>",
+    *(f"<|reserved_special_token_{i}|>" for i in range(4)),
+    "<|start_header_id|>",
+    "<|end_header_id|>",
+    "<|reserved_special_token_4|>",
+    "<|eot_id|>",
+    *(f"<|reserved_special_token_{i}|>" for i in range(5, 251)),
+]
+
+
+class TiktokenTokenizer:
+    def __init__(self, path: Path):
+        ranks = {}
+        for line in path.read_text().splitlines():
+            if line:
+                token, rank = line.split()
+                ranks[base64.b64decode(token)] = int(rank)
+        self.specials = {text: len(ranks) + i for i, text in enumerate(LLAMA3_SPECIAL_TOKENS)}
+        self.enc = tiktoken.Encoding(
+            path.name, pat_str=LLAMA3_PATTERN, mergeable_ranks=ranks, special_tokens=self.specials
+        )
+        self.vocab_size = self.enc.n_vocab
+        self.bos_id = self.specials["<|begin_of_text|>"]
+        self.eos_id = self.specials["<|end_of_text|>"]
+
+    def encode(self, text: str) -> list[int]:
+        return self.enc.encode(text, allowed_special="all")
+
+    def decode(self, ids: list[int]) -> str:
+        return self.enc.decode(ids)
+
+    def special_id(self, text: str) -> Optional[int]:
+        return self.specials.get(text)
+
+
+class HFTokenizer:
+    def __init__(self, path: Path):
+        self.tok = tokenizers.Tokenizer.from_file(str(path))
+        self.vocab_size = self.tok.get_vocab_size(with_added_tokens=True)
+        self.specials = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
+        # tokenizer.json does not say which token is BOS/EOS; tokenizer_config.json next to it does
+        config_path = path.parent / "tokenizer_config.json"
+        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        self.bos_id = self._config_token_id(config.get("bos_token"))
+        self.eos_id = self._config_token_id(config.get("eos_token"))
+
+    def _config_token_id(self, value) -> Optional[int]:
+        text = value.get("content") if isinstance(value, dict) else value
+        return self.tok.token_to_id(text) if text else None
+
+    def encode(self, text: str) -> list[int]:
+        return self.tok.encode(text, add_special_tokens=False).ids
+
+    def decode(self, ids: list[int]) -> str:
+        return self.tok.decode(ids, skip_special_tokens=False)
+
+    def special_id(self, text: str) -> Optional[int]:
+        return self.specials.get(text)
+
+
+def _is_tiktoken_file(path: Path) -> bool:
+    # Llama-3 ships "base64 rank" text lines under the name sentencepiece uses for its binary protobuf
+    with open(path, "rb") as f:
+        return re.fullmatch(rb"[A-Za-z0-9+/=]+ \d+\s*", f.readline()) is not None
+
+
+def load_tokenizer(checkpoint_dir) -> Tokenizer:
+    checkpoint_dir = Path(checkpoint_dir)
+    model_path, json_path = checkpoint_dir / "tokenizer.model", checkpoint_dir / "tokenizer.json"
+    if model_path.is_file():
+        return TiktokenTokenizer(model_path) if _is_tiktoken_file(model_path) else SentencePieceTokenizer(model_path)
+    if json_path.is_file():
+        return HFTokenizer(json_path)
+    raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {checkpoint_dir}")
+
+
+# llama.cpp pre-tokenizer names whose rule we know; any other name gets the plain GPT-2 ByteLevel regex.
+# Digit-split: every \p{N} alone, then the GPT-2 regex. Llama-3: its own regex, a pre-token found whole in the
+# vocab skips the merges, and BOS is added by default.
+DIGIT_SPLIT_PRES = {"smollm", "starcoder", "refact", "command-r", "codeshell", "exaone", "minerva-7b"}
+LLAMA3_PRES = {"llama3", "llama-v3", "llama-bpe", "falcon3", "falcon-h1", "pixtral", "midm-2.0", "lfm2"}
+GGUF_CONTROL_TOKEN = 3
+
+
+@functools.lru_cache(maxsize=1)
+def _gguf_tokenizer_fields(gguf_path: str) -> dict:
+    # GGUFReader parses the whole file (about 3 s for SmolLM2), so both public readers share one parse
+    reader = gguf.GGUFReader(gguf_path)
+    return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
+
+
+def _gguf_pre_tokenizer(pre: str):
+    if pre in LLAMA3_PRES:
+        return pre_tokenizers.Sequence([
+            pre_tokenizers.Split(tokenizers.Regex(LLAMA3_PATTERN), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False),
+        ])
+    byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
+    if pre in DIGIT_SPLIT_PRES:
+        return pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True), byte_level])
+    return byte_level
+
+
+def tokenizer_json_from_gguf(gguf_path) -> str:
+    fields = _gguf_tokenizer_fields(str(gguf_path))
+    model = fields["tokenizer.ggml.model"]
+    if model != "gpt2":
+        raise ValueError(f"only byte-level BPE ('gpt2') GGUF tokenizers are supported, got {model!r}")
+    tokens = fields["tokenizer.ggml.tokens"]
+    pre = fields.get("tokenizer.ggml.pre", "default")
+    tok = tokenizers.Tokenizer(models.BPE(
+        vocab={token: i for i, token in enumerate(tokens)},
+        merges=[tuple(merge.split(" ", 1)) for merge in fields["tokenizer.ggml.merges"]],
+        ignore_merges=pre in LLAMA3_PRES,
+    ))
+    tok.pre_tokenizer = _gguf_pre_tokenizer(pre)
+    tok.decoder = decoders.ByteLevel()
+    types = fields.get("tokenizer.ggml.token_type", [])
+    tok.add_special_tokens([
+        AddedToken(tokens[i], special=True, normalized=False) for i, t in enumerate(types) if t == GGUF_CONTROL_TOKEN
+    ])
+    return tok.to_str()
+
+
+def gguf_tokenizer_facts(gguf_path) -> dict:
+    fields = _gguf_tokenizer_fields(str(gguf_path))
+    # llama.cpp's default when the key is absent: BOS for sentencepiece vocabularies and the Llama-3 pre-tokenizers
+    default_add_bos = fields["tokenizer.ggml.model"] != "gpt2" or fields.get("tokenizer.ggml.pre") in LLAMA3_PRES
+    return {
+        "bos_id": fields.get("tokenizer.ggml.bos_token_id"),
+        "eos_id": fields.get("tokenizer.ggml.eos_token_id"),
+        "add_bos": fields.get("tokenizer.ggml.add_bos_token", default_add_bos),
+        "chat_template": fields.get("tokenizer.chat_template"),
+    }
+
+
+SMOLLM_SYSTEM_PROMPT = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+VICUNA_SYSTEM_PROMPT = (
+    "A chat between a curious user and an artificial intelligence assistant. "
+    "The assistant gives helpful, detailed, and polite answers to the user's questions."
+)
+
+
+def _format_plain(messages: list[dict], add_generation_prompt: bool) -> str:
+    return "".join(m["content"] for m in messages)
+
+
+def _format_chatml(messages: list[dict], add_generation_prompt: bool, default_system: str = "") -> str:
+    if default_system and messages and messages[0]["role"] != "system":
+        messages = [{"role": "system", "content": default_system}, *messages]
+    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
+    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+
+
+def _format_llama3(messages: list[dict], add_generation_prompt: bool) -> str:
+    # Meta's reference strips each message's content
+    text = "".join(
+        f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages
+    )
+    return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
+
+
+def _format_llama2(messages: list[dict], add_generation_prompt: bool) -> str:
+    # Meta's chat_completion: the system block joins the first user turn; each answered turn ends with </s> and the
+    # next opens with <s> (the caller adds the first BOS). The open [INST] turn is already the generation prompt.
+    system = ""
+    if messages and messages[0]["role"] == "system":
+        system, messages = f"<<SYS>>\n{messages[0]['content']}\n<</SYS>>\n\n", messages[1:]
+    text = ""
+    for m in messages:
+        if m["role"] == "user":
+            text += f"{'<s>' if text else ''}[INST] {(system + m['content']).strip()} [/INST]"
+            system = ""
+        else:
+            text += f" {m['content'].strip()} </s>"
+    return text
+
+
+def _format_vicuna(messages: list[dict], add_generation_prompt: bool) -> str:
+    # FastChat's vicuna_v1.1: a user turn ends with " ", an assistant turn with "</s>"
+    system = VICUNA_SYSTEM_PROMPT
+    if messages and messages[0]["role"] == "system":
+        system, messages = messages[0]["content"], messages[1:]
+    text = system + " "
+    for m in messages:
+        text += f"USER: {m['content']} " if m["role"] == "user" else f"ASSISTANT: {m['content']}</s>"
+    return text + ("ASSISTANT:" if add_generation_prompt else "")
+
+
+CHAT_FORMATTERS = {
+    "": _format_plain,
+    "none": _format_plain,
+    "chatml": _format_chatml,
+    "smollm": functools.partial(_format_chatml, default_system=SMOLLM_SYSTEM_PROMPT),
+    "llama3": _format_llama3,
+    "llama2": _format_llama2,
+    "vicuna": _format_vicuna,
+}
+
+CHAT_STOP_STRINGS: dict[str, list[str]] = {
+    "": [],
+    "none": [],
+    "chatml": ["<|im_end|>", "<|endoftext|>"],
+    "smollm": ["<|im_end|>", "<|endoftext|>"],
+    "llama3": ["<|eot_id|>", "<|end_of_text|>"],
+    "llama2": ["</s>"],
+    "vicuna": ["</s>"],
+}
+
+
+def format_chat(family: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt text for `messages` ([{"role": ..., "content": ...}]), without BOS."""
+    if family not in CHAT_FORMATTERS:
+        raise ValueError(f"unknown chat family {family!r}, expected one of {sorted(CHAT_FORMATTERS)}")
+    return CHAT_FORMATTERS[family](messages, add_generation_prompt)
+
+
+def detect_chat_family(chat_template: Optional[str], name: str = "") -> str:
+    template = chat_template or ""
+    if "<|im_start|>" in template:
+        return "smollm" if "SmolLM" in template else "chatml"
+    if "<|start_header_id|>" in template:
+        return "llama3"
+    if "[INST]" in template:
+        return "llama2"
+    name = name.lower()
+    if "vicuna" in name:
+        return "vicuna"
+    if "llama-2" in name and "chat" in name:
+        return "llama2"
+    if "llama-3" in name and "instruct" in name:
+        return "llama3"
+    return ""
+
+
+class StreamDecoder:
+    """Turns the growing id list of a generation into printable text increments."""
+
+    def __init__(self, tokenizer: Tokenizer):
+        self.tokenizer = tokenizer
+        self.printed = 0  # characters already returned
+
+    def push(self, ids: list[int]) -> str:
+        # a multi-byte character split across byte tokens decodes to trailing U+FFFD until its last byte arrives
+        text = self.tokenizer.decode(ids).rstrip("\ufffd")
+        new_text = text[self.printed:]
+        self.printed = len(text)
+        return new_text

@@ -1,0 +1,136 @@
+# Tensor parallelism (Megatron style) for the target under torchrun: every rank holds a slice of each
+# layer's attention heads and MLP channels, and one all-reduce after `wo` and one after `w2` make the
+# layer outputs whole again. Embedding, norms and LM head stay replicated, so the post-norm features,
+# the logits and the EAGLE head (which reads all three) are the same on every rank.
+import os
+from typing import Optional
+
+import torch
+import torch.distributed as dist
+import torch.distributed._functional_collectives as funcol
+import torch.nn as nn
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+
+
+def maybe_init_dist() -> Optional[int]:
+    """Starts the process group when launched by torchrun with more than one rank; returns the rank,
+    or None when there is no tensor parallelism."""
+    if dist.is_initialized():
+        return dist.get_rank() if dist.get_world_size() > 1 else None
+    if int(os.environ.get("WORLD_SIZE", 1)) < 2 or "RANK" not in os.environ:
+        return None
+    if torch.cuda.is_available():
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", 0)))
+        dist.init_process_group("nccl")
+    else:
+        dist.init_process_group("gloo")
+    return dist.get_rank()
+
+
+def world_size() -> int:
+    return dist.get_world_size() if dist.is_initialized() else 1
+
+
+def rank() -> int:
+    # RANK is set before the group exists, so ranks other than 0 stay quiet even about early errors.
+    return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
+
+
+def destroy_dist():
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def check_shardable(model: nn.Module, world: int):
+    """Raises a one-line ValueError unless every sharded size divides by the world size and every
+    sharded weight is float or per-channel int8."""
+    args = model.args
+    for name, size in (("n_head", args.n_head), ("n_local_heads", args.n_local_heads), ("intermediate_size", args.intermediate_size)):
+        if size % world:
+            raise ValueError(f"tensor parallelism over {world} ranks needs {name} divisible by {world}, got {size}")
+    for layer in model.layers:
+        for linear in sharded_linears(layer):
+            check_linear(linear)
+
+
+def sharded_linears(layer: nn.Module) -> list:
+    a, f = layer.attention, layer.feed_forward
+    return [a.wqkv, a.wo, f.w1, f.w2, f.w3]
+
+
+def check_linear(linear: nn.Module):
+    tensors = dict(linear.named_parameters(recurse=False)) | dict(linear.named_buffers(recurse=False))
+    weight = tensors.get("weight")
+    if weight is None or weight.dtype not in FLOAT_DTYPES + (torch.int8,):
+        raise ValueError(f"tensor parallelism supports float and int8 weights, not {type(linear).__name__} "
+                         f"({None if weight is None else weight.dtype}); use an unquantised or int8 checkpoint")
+    extra = set(tensors) - {"weight"}
+    if weight.dtype == torch.int8:
+        scales = tensors.get("scales")
+        if extra != {"scales"} or scales.shape != weight.shape[:1]:
+            raise ValueError(f"tensor parallelism supports int8 with one scale per output channel; {type(linear).__name__} holds {sorted(tensors)}")
+    elif extra:
+        raise ValueError(f"tensor parallelism does not support {type(linear).__name__} with {sorted(extra)}")
+
+
+def shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
+    size = t.shape[dim] // world
+    # A copy, not a view: a view would keep the whole tensor alive.
+    return t.narrow(dim, rank * size, size).clone(memory_format=torch.contiguous_format)
+
+
+def shard_linear(linear: nn.Module, dim: int, rank: int, world: int, parts=None):
+    """dim 0 keeps this rank's output channels (column parallel), dim 1 its input channels (row
+    parallel). parts: row counts of fused matrices (q, k, v) sharded one by one. int8 scales belong
+    to output channels, so they follow a dim-0 split and stay whole under a dim-1 split."""
+    parts = parts or [linear.weight.shape[0]]
+    for name, t in list(linear.named_parameters(recurse=False)) + list(linear.named_buffers(recurse=False)):
+        if dim == 1 and t.dim() == 1:
+            continue
+        if dim == 0:
+            new = torch.cat([shard(p, 0, rank, world) for p in t.split(parts)])
+        else:
+            new = shard(t, dim, rank, world)
+        if isinstance(t, nn.Parameter):
+            new = nn.Parameter(new, requires_grad=t.requires_grad)
+        setattr(linear, name, new)
+    if hasattr(linear, "out_features"):
+        linear.out_features, linear.in_features = linear.weight.shape
+
+
+def all_reduce_output(group):
+    # funcol, unlike the in-place dist.all_reduce, is a traceable op: it compiles with fullgraph
+    # and CUDA graphs, and works eagerly too.
+    def hook(module, inputs, output):
+        return funcol.all_reduce(output, "sum", group)
+
+    return hook
+
+
+def shard_model(model: nn.Module, rank: int, world: int) -> nn.Module:
+    """Keeps this rank's slice of every layer's heads and MLP channels (no communication)."""
+    for layer in model.layers:
+        a, f = layer.attention, layer.feed_forward
+        shard_linear(a.wqkv, 0, rank, world, [a.n_head * a.head_dim, a.n_kv * a.head_dim, a.n_kv * a.head_dim])
+        shard_linear(a.wo, 1, rank, world)
+        shard_linear(f.w1, 0, rank, world)
+        shard_linear(f.w3, 0, rank, world)
+        shard_linear(f.w2, 1, rank, world)
+        a.n_head, a.n_kv = a.n_head // world, a.n_kv // world
+    return model
+
+
+def apply_tp(model: nn.Module) -> nn.Module:
+    """Shards a Transformer's attention and MLP over the process group in place (before its caches
+    are set up: setup_caches sizes each KV cache from the attention's local head counts). At world
+    size 1 it returns the model untouched: no copies, no hooks."""
+    world = world_size()
+    if world < 2:
+        return model
+    check_shardable(model, world)
+    shard_model(model, dist.get_rank(), world)
+    for layer in model.layers:
+        layer.attention.register_forward_hook(all_reduce_output(dist.group.WORLD))
+        layer.feed_forward.register_forward_hook(all_reduce_output(dist.group.WORLD))
+    return model

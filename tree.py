@@ -1,0 +1,159 @@
+# Draft trees and their verification as pure tensor functions: tensors in, tensors out, fixed shapes,
+# no host syncs, nothing about models. A tree of n nodes is (tokens [n], parents [n], depths [n]) in
+# topological order, node 0 the root (its own parent, depth 0).
+import torch
+from torch import Tensor
+
+# The EAGLE-1 static tree ("mc_sim_7b_63"): 25 draft nodes as paths of top-k ranks, 5 levels deep.
+EAGLE1_TREE = [
+    [0], [1], [2], [3],
+    [0, 0], [0, 1], [0, 2], [1, 0], [1, 1], [2, 0], [2, 1], [3, 0],
+    [0, 0, 0], [0, 0, 1], [0, 0, 2], [0, 1, 0], [0, 1, 1], [0, 2, 0], [0, 2, 1], [1, 0, 0],
+    [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
+    [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
+]  # fmt: skip
+
+
+# ---- the target's sampling rule, shared by vanilla decoding and every verifier ----
+
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor) -> Tensor:
+    # The exponential race, argmax(p / Exp(1)), draws from p with no host sync.
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+
+def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """One token per row of logits: argmax at temperature 0, else a sample of the processed distribution."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    return sample(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+# ---- EAGLE-2 dynamic tree ----
+
+def expand(logp: Tensor, scores: Tensor, k: int):
+    """Each of n nodes proposes its top-k children, scored by the path's summed log-prob (the paper's
+    value: the product of draft confidences). Returns child tokens and scores, both [n, k]."""
+    top = torch.topk(logp, k, dim=-1)
+    return top.indices, scores.unsqueeze(-1) + top.values
+
+
+def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
+    """EAGLE-2 expansion then rerank, over a pool of k + (depth-1) k^2 scored candidates.
+
+    root_logp [V]: draft log-probs for the root's children. step(level, tokens [k], parent [k]) runs the
+    draft on the k nodes chosen at `level` (parent indexes the nodes chosen at level-1) and returns
+    their children's log-probs [k, V]. Returns the selected pool indices (ascending, ancestor-closed),
+    and the pool's tokens and parents (pool indices, -1 for the root)."""
+    score, tok = torch.topk(root_logp, k)
+    idx = torch.arange(k, device=tok.device)  # pool index of each chosen node
+    parent = torch.zeros_like(idx)
+    pool_tok, pool_score, pool_parent = [tok], [score], [torch.full_like(tok, -1)]
+    for level in range(1, depth):
+        child_tok, child_score = expand(step(level, tok, parent), score, k)
+        pool_tok.append(child_tok.flatten())
+        pool_score.append(child_score.flatten())
+        pool_parent.append(idx.repeat_interleave(k))
+        best = torch.topk(child_score.flatten(), k).indices
+        parent = best // k
+        idx = k + (level - 1) * k * k + best
+        tok, score = child_tok.flatten()[best], child_score.flatten()[best]
+    sel = rerank(torch.cat(pool_score), m)
+    return sel, torch.cat(pool_tok), torch.cat(pool_parent)
+
+
+def rerank(pool_scores: Tensor, m: int) -> Tensor:
+    """The m best pool entries, as ascending pool indices (which is topological order).
+
+    A child's score never exceeds its parent's, and the pool lists shallower levels first, so a stable
+    descending sort puts every parent before its children, ties included: any prefix is ancestor-closed."""
+    order = torch.sort(pool_scores, descending=True, stable=True).indices
+    return torch.sort(order[:m]).values
+
+
+def tree_from_pool(sel: Tensor, pool_tokens: Tensor, pool_parents: Tensor, root: Tensor):
+    """Selected pool entries -> (tokens, parents) of an (m+1)-node tree. pool_parents holds pool
+    indices, -1 for the root; sel is ascending and ancestor-closed."""
+    parent_pool = pool_parents[sel]
+    parent_node = torch.searchsorted(sel, parent_pool.clamp(min=0)) + 1
+    parents = torch.cat([torch.zeros(1, dtype=torch.long, device=sel.device), torch.where(parent_pool < 0, 0, parent_node)])
+    tokens = torch.cat([root.view(1), pool_tokens[sel]])
+    return tokens, parents
+
+
+def ancestor_mask(parents: Tensor, depth: int) -> Tensor:
+    """[n, n] bool: row i marks i and its ancestors. depth rounds of "my row |= my parent's row"."""
+    n = parents.shape[0]
+    mask = torch.eye(n, dtype=torch.bool, device=parents.device)
+    for _ in range(depth):
+        mask = mask | mask[parents]
+    return mask
+
+
+# ---- EAGLE-1 static tree ----
+
+def static_tree(paths=EAGLE1_TREE):
+    """parents, depths and top-k ranks of a tree given as rank paths, sorted (length, path)."""
+    paths = sorted(paths, key=lambda p: (len(p), p))
+    index = {(): 0} | {tuple(p): i + 1 for i, p in enumerate(paths)}
+    parents = torch.tensor([0] + [index[tuple(p[:-1])] for p in paths])
+    depths = torch.tensor([0] + [len(p) for p in paths])
+    ranks = torch.tensor([0] + [p[-1] for p in paths])
+    return parents, depths, ranks
+
+
+# ---- verification ----
+
+def accept(tokens: Tensor, parents: Tensor, depths: Tensor, draws: Tensor, depth: int):
+    """Walk the tree matching drawn tokens: a node is accepted when its parent is and its token equals
+    the token drawn at its parent. draws holds one target token per node: the argmax when greedy, one
+    sample of the processed target distribution when sampling. For drafts that are deterministic given
+    the prefix (top-k trees) this is exactly multi-round speculative sampling: the chance to move to a
+    child is its target probability, and a miss leaves the target distribution restricted to the other
+    tokens, which is the residual norm(max(0, p - q)) for one-hot q.
+
+    Returns accept_len (accepted draft nodes, a 0-d tensor), path [depth+1] (node indices from the
+    root; entries past accept_len repeat the last accepted node) and the bonus token."""
+    is_root = torch.arange(tokens.shape[0], device=tokens.device) == 0
+    matched = tokens == draws[parents]
+    ok = is_root
+    for _ in range(depth):
+        ok = is_root | (matched & ok[parents])
+    accept_len = torch.where(ok, depths, 0).max()
+    levels = torch.arange(depth + 1, device=tokens.device)
+    on_path = ok.unsqueeze(0) & (depths.unsqueeze(0) == levels.clamp(max=accept_len).unsqueeze(1))
+    path = on_path.int().argmax(dim=-1)
+    return accept_len, path, draws[path[-1:]][0]
+
+
+def accept_chain(draft_tokens: Tensor, p: Tensor, q: Tensor):
+    """Classic speculative sampling over a chain of k draft tokens (Leviathan et al., Chen et al.).
+
+    draft_tokens [k] were sampled from q [k, V]; p [k+1, V] is the processed target distribution at the
+    root and after each draft token. Token i is kept with probability min(1, p_i(x)/q_i(x)); at the first
+    rejection the replacement is drawn from norm(max(0, p - q)); if all k pass, the bonus comes from p_k.
+    Returns accept_len (0-d) and the bonus token."""
+    k = draft_tokens.shape[0]
+    px = p[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)
+    qx = q.gather(-1, draft_tokens[:, None]).squeeze(-1)
+    keep = torch.rand_like(px) * qx < px
+    accept_len = keep.int().cumprod(0).sum()
+    at = accept_len.view(1)
+    residual = torch.cat([(p[:k] - q).clamp(min=0), p[k:]]).index_select(0, at)[0]
+    residual = torch.where(residual.sum() > 0, residual, p.index_select(0, at)[0])  # p == q: never reached, keep finite
+    return accept_len, sample(residual / residual.sum())
