@@ -122,16 +122,7 @@ def bench(a) -> dict:
 def _mode_generator(ns, target) -> Generator:
     """A Generator for ns.speculate that shares the already loaded target."""
     spec = generate.make_spec(ns, target.tok_embeddings.weight.device)
-    head = draft_model = None
-    if spec.mode in ("eagle", "eagle2"):
-        draft = ns.draft or (generate.DEFAULT_HEAD if ns.checkpoint is None else None)
-        if draft is None:
-            raise UsageError("--modes eagle/eagle2 need --draft for this checkpoint")
-        head = generate.load_head(draft, target.args, target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype).eval()
-    else:
-        if ns.draft_checkpoint is None:
-            raise UsageError("--modes sps needs --draft-checkpoint")
-        draft_model = generate.load_model(ns.draft_checkpoint, target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype)
+    head, draft_model = generate.load_drafter(ns, spec, target)
     return Generator(target, spec, head, draft_model, compile=ns.compile)
 
 

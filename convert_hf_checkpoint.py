@@ -17,7 +17,7 @@ import torch
 from tqdm import tqdm
 
 import tokenizer as tok
-from draft import EagleHead, save_head
+from draft import EagleHead, check_head_fits, save_head
 from model import ModelArgs, Transformer, load_state, rope_frequencies
 
 HF_TOP_NAMES = {
@@ -106,10 +106,12 @@ def check_fits(state: dict, module: torch.nn.Module, skip=()):
             raise ValueError(f"unexpected tensor {k}")
 
 
-def read_json(path: Path) -> dict:
-    if not path.is_file():
+def read_json(path: Path, default: Optional[dict] = None) -> dict:
+    if path.is_file():
+        return json.loads(path.read_text())
+    if default is None:
         raise FileNotFoundError(f"{path} does not exist")
-    return json.loads(path.read_text())
+    return default
 
 
 def args_from_hf(config: dict, path: Path) -> ModelArgs:
@@ -153,10 +155,12 @@ def stop_tokens(tokenizer, family: str, eos_ids: list) -> list[int]:
 
 
 def as_list(value) -> list:
-    return [] if value is None else value if isinstance(value, list) else [value]
+    if value is None:
+        return []
+    return value if isinstance(value, list) else [value]
 
 
-def rotary_buffer(name: str) -> bool:
+def is_rotary_buffer(name: str) -> bool:
     return name.endswith("rotary_emb.inv_freq")  # recomputed from the config, never loaded
 
 
@@ -210,7 +214,8 @@ def convert_hf(hf_dir, out_dir, name: Optional[str] = None) -> ModelArgs:
         raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {hf_dir}")
 
     layer_pattern = r"model\.layers\.(\d+)\.(.+)"
-    state = {rename(k, HF_TOP_NAMES, layer_pattern, HF_LAYER_NAMES): w for k, w in read_weights(hf_dir).items() if not rotary_buffer(k)}
+    weights = {k: w for k, w in read_weights(hf_dir).items() if not is_rotary_buffer(k)}
+    state = {rename(k, HF_TOP_NAMES, layer_pattern, HF_LAYER_NAMES): w for k, w in weights.items()}
     if args.tie_embeddings:
         state.pop("output.weight", None)  # some tied checkpoints store the copy anyway
     fuse_qkv(state, args, args.n_layer, interleave=True)
@@ -221,8 +226,8 @@ def convert_hf(hf_dir, out_dir, name: Optional[str] = None) -> ModelArgs:
     for n, path in sources.items():
         shutil.copyfile(path, out_dir / n)
     tokenizer = tok.load_tokenizer(out_dir)
-    tokenizer_config = json.loads(sources["tokenizer_config.json"].read_text()) if "tokenizer_config.json" in sources else {}
-    generation_config = json.loads((hf_dir / "generation_config.json").read_text()) if (hf_dir / "generation_config.json").is_file() else {}
+    tokenizer_config = read_json(out_dir / "tokenizer_config.json", default={})
+    generation_config = read_json(hf_dir / "generation_config.json", default={})
     family = tok.detect_chat_family(hf_chat_template(hf_dir, tokenizer_config), name or str(hf_dir))
     eos_ids = as_list(generation_config.get("eos_token_id")) + as_list(config.get("eos_token_id"))
     args.chat_template, args.stop_tokens = family, stop_tokens(tokenizer, family, eos_ids)
@@ -248,7 +253,7 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
     if meta("general.architecture") != "llama":
         raise ValueError(f"{gguf_path}: architecture {meta('general.architecture')!r} is not supported (only llama)")
     if any(t.name == "rope_freqs.weight" for t in reader.tensors):
-        raise ValueError(f"{gguf_path} stores Llama-3.1 RoPE scaling as rope_freqs, which is not supported: convert the HF checkpoint")
+        raise ValueError(f"{gguf_path}: Llama-3.1 RoPE scaling (rope_freqs) is not supported; convert the HF checkpoint")
     scaling = meta("llama.rope.scaling.type", "none")
     if scaling not in ("none", "linear"):
         raise ValueError(f"{gguf_path}: RoPE scaling {scaling!r} is not supported (only linear)")
@@ -256,7 +261,8 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
     state = {}
     for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", file=sys.stderr):
         w = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 in nn.Linear's (out, in) layout
-        state[rename(t.name, GGUF_TOP_NAMES, r"blk\.(\d+)\.(.+)", GGUF_LAYER_NAMES)] = torch.from_numpy(np.array(w, dtype=np.float32))  # copy: F32 tensors come back as read-only memmaps
+        w = np.array(w, dtype=np.float32)  # a copy: F32 tensors come back as read-only memmaps
+        state[rename(t.name, GGUF_TOP_NAMES, r"blk\.(\d+)\.(.+)", GGUF_LAYER_NAMES)] = torch.from_numpy(w)
     n_head, dim = meta("llama.attention.head_count"), meta("llama.embedding_length")
     args = ModelArgs(
         dim=dim,
@@ -266,7 +272,8 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
         head_dim=meta("llama.attention.key_length", dim // n_head),
         intermediate_size=meta("llama.feed_forward_length"),
         vocab_size=state["tok_embeddings.weight"].shape[0],
-        norm_eps=float(f"{meta('llama.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),  # stored as float32: 7 digits give back the written value
+        # stored as float32: 7 significant digits give back the value that was written (1e-5, not 9.99999975e-06)
+        norm_eps=float(f"{meta('llama.attention.layer_norm_rms_epsilon', 1e-5):.7g}"),
         rope_base=float(meta("llama.rope.freq_base", 10000.0)),
         rope_scaling={"rope_type": "linear", "factor": meta("llama.rope.scaling.factor")} if scaling == "linear" else None,
         block_size=meta("llama.context_length", 4096),
@@ -290,18 +297,11 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
 
 # ---------------------------------------------------------------- official EAGLE-1/2 heads
 
-def check_head_fits(head: ModelArgs, target: ModelArgs):
-    if head.dim != target.dim:
-        raise ValueError(f"draft head hidden size {head.dim} does not fit the target's {target.dim}")
-    if head.vocab_size != target.vocab_size:
-        raise ValueError(f"draft head vocabulary {head.vocab_size} does not fit the target's {target.vocab_size}")
-
-
 def convert_eagle(head_dir, out_dir, target_dir=None) -> ModelArgs:
     """An official EAGLE-1/2 head (config.json + pytorch_model.bin or model.safetensors) -> a draft.load_head directory."""
     head_dir, out_dir = Path(head_dir), Path(out_dir)
     config = read_json(head_dir / "config.json")
-    raw = {k.removeprefix("model."): w for k, w in read_weights(head_dir).items() if not rotary_buffer(k)}
+    raw = {k.removeprefix("model."): w for k, w in read_weights(head_dir).items() if not is_rotary_buffer(k)}
     if "d2t" in raw or any(k.startswith("midlayer.") for k in raw):
         raise ValueError(f"{head_dir} is an EAGLE-3 head (midlayer.*, d2t): EAGLE-3 heads are not supported")
     args = args_from_hf(config, head_dir / "config.json")
@@ -330,7 +330,7 @@ def download(repo_id: str) -> Path:
     return path
 
 
-def default_gguf_path() -> Path:
+def smollm2_gguf() -> Path:
     # find_spec locates the package without importing it: its __init__ needs llm and llama_cpp.
     spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
     path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME if spec else None
@@ -344,7 +344,7 @@ def default_checkpoint() -> Path:
     out = Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / DEFAULT_CHECKPOINT_NAME
     if (out / "config.json").is_file():
         return out
-    gguf_path = default_gguf_path()
+    gguf_path = smollm2_gguf()
     out.parent.mkdir(parents=True, exist_ok=True)
     partial = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
     try:
@@ -361,9 +361,9 @@ def default_checkpoint() -> Path:
 # ---------------------------------------------------------------- CLI
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert an HF LLaMA checkpoint, a GGUF file or an official EAGLE-1/2 head.")
+    parser = argparse.ArgumentParser(description="Convert an HF LLaMA checkpoint, a GGUF file or an EAGLE-1/2 head.")
     source = parser.add_mutually_exclusive_group(required=True)
-    source.add_argument("--checkpoint-dir", type=Path, help="HF directory: config.json, safetensors or .bin weights, tokenizer")
+    source.add_argument("--checkpoint-dir", type=Path, help="HF directory: config.json, weights, tokenizer")
     source.add_argument("--gguf", type=Path, help="llama.cpp GGUF file of a llama-architecture model")
     source.add_argument("--repo-id", help="HF hub repository to download and convert")
     parser.add_argument("--eagle", action="store_true", help="the source is an official EAGLE-1/2 draft head")

@@ -8,7 +8,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import KVCache, ModelArgs, TransformerBlock, _fuse_qkv, load_state, rope_table
+import quantize
+from model import KVCache, ModelArgs, TransformerBlock, _fuse_qkv, load_state, rope_at, rope_table
 
 
 class EagleHead(nn.Module):
@@ -21,9 +22,7 @@ class EagleHead(nn.Module):
         self._register_load_state_dict_pre_hook(_fuse_qkv)
 
     def setup_caches(self, max_seq_length: int, dtype=None):
-        dtype = dtype or self.fc.weight.dtype
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            dtype = torch.bfloat16
+        dtype = dtype or self.layers[0].ffn_norm.weight.dtype  # norms stay float in quantised heads
         self.max_seq_length = max_seq_length
         a = self.layers[0].attention
         a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(self.fc.weight.device)
@@ -34,9 +33,7 @@ class EagleHead(nn.Module):
     def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
         """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm)."""
         x = self.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
-        rope = self.rope[input_pos]
-        if rope.dim() == 3:
-            rope = rope.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        rope = rope_at(self.rope, input_pos, x.shape[0])
         for layer in self.layers:
             x = layer(x, rope, cache_pos, mask)
         return x
@@ -54,6 +51,13 @@ def save_head(head: EagleHead, out_dir):
     save_file({k: v.contiguous() for k, v in head.state_dict().items()}, str(out_dir / "model.safetensors"))
 
 
+def check_head_fits(head: ModelArgs, target: ModelArgs):
+    if head.dim != target.dim:
+        raise ValueError(f"draft head hidden size {head.dim} does not fit the target's {target.dim}")
+    if head.vocab_size != target.vocab_size:
+        raise ValueError(f"draft head vocabulary {head.vocab_size} does not fit the target's {target.vocab_size}")
+
+
 def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -> EagleHead:
     """Loads a converted head directory and checks that it fits the target."""
     path = Path(path)
@@ -64,14 +68,12 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
     if cfg.get("kind") != "eagle":
         raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle)")
     args = ModelArgs.load(cfg_path)
-    if args.dim != target_args.dim:
-        raise ValueError(f"draft head hidden size {args.dim} does not fit the target's {target_args.dim}")
-    if args.vocab_size != target_args.vocab_size:
-        raise ValueError(f"draft head vocabulary {args.vocab_size} does not fit the target's {target_args.vocab_size}")
+    check_head_fits(args, target_args)
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"draft head {path} has no .safetensors weights")
     with torch.device("meta"):
         head = EagleHead(args, fc_bias=cfg.get("fc_bias", True))
+    quantize.prepare(head, cfg)
     head.load_state_dict(load_state(files[0]), assign=True)
     return head.to(device=device, dtype=dtype)

@@ -18,6 +18,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import quantize
 import tp
 import tree
 from draft import EagleHead, load_head
@@ -81,6 +82,10 @@ def load_model(checkpoint, device="cpu", dtype=torch.float32) -> Transformer:
     args = ModelArgs.load(path / "config.json")
     with torch.device("meta"):
         model = Transformer(args)
+    try:
+        quantize.prepare(model, json.loads((path / "config.json").read_text()))
+    except ValueError as e:
+        raise UsageError(f"{path / 'config.json'}: {e}") from None
     state = load_state(weights)
     if args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
@@ -465,6 +470,27 @@ def make_spec(a, device) -> Optional[TreeSpec]:
     return TreeSpec("eagle2", depth=depth, topk=a.topk, num_draft_tokens=m)
 
 
+def load_drafter(a, spec: Optional[TreeSpec], target: Transformer):
+    """The EAGLE head or the sps draft LLM that spec needs, on the target's device and dtype."""
+    device, dtype = target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype
+    if spec is None:
+        return None, None
+    if spec.mode == "sps":
+        if a.draft_checkpoint is None:
+            raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
+        draft_model = load_model(a.draft_checkpoint, device, dtype)
+        if draft_model.args.vocab_size != target.args.vocab_size:
+            raise UsageError(f"draft vocabulary {draft_model.args.vocab_size} does not fit the target's {target.args.vocab_size}")
+        return None, draft_model
+    draft = a.draft or (DEFAULT_HEAD if a.checkpoint is None else None)
+    if draft is None:
+        raise UsageError("--speculate eagle/eagle2 needs --draft HEAD_DIR for this checkpoint")
+    try:
+        return load_head(draft, target.args, device, dtype).eval(), None
+    except (FileNotFoundError, ValueError) as e:
+        raise UsageError(str(e).splitlines()[0]) from None
+
+
 def setup(a):
     """CLI args -> (Generator, tokenizer, model args). Raises UsageError on bad input."""
     check_args(a)
@@ -488,21 +514,7 @@ def setup(a):
             raise UsageError(str(e)) from None
         target.to(device)
     spec = make_spec(a, device)
-    head = draft_model = None
-    if spec and spec.mode in ("eagle", "eagle2"):
-        draft = a.draft or (DEFAULT_HEAD if a.checkpoint is None else None)
-        if draft is None:
-            raise UsageError("--speculate eagle/eagle2 needs --draft HEAD_DIR for this checkpoint")
-        try:
-            head = load_head(draft, target.args, device, dtype).eval()
-        except (FileNotFoundError, ValueError) as e:
-            raise UsageError(str(e).splitlines()[0]) from None
-    if spec and spec.mode == "sps":
-        if a.draft_checkpoint is None:
-            raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
-        draft_model = load_model(a.draft_checkpoint, device, dtype)
-        if draft_model.args.vocab_size != target.args.vocab_size:
-            raise UsageError(f"draft vocabulary {draft_model.args.vocab_size} does not fit the target's {target.args.vocab_size}")
+    head, draft_model = load_drafter(a, spec, target)
     from tokenizer import load_tokenizer
 
     return Generator(target, spec, head, draft_model, compile=a.compile), load_tokenizer(checkpoint), target.args

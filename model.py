@@ -94,6 +94,12 @@ def rope_table(args: ModelArgs, length: int) -> Tensor:
     return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
 
 
+def rope_at(table: Tensor, input_pos: Tensor, batch: int) -> Tensor:
+    """Rows of a rope_table for positions [T] (shared by the batch) or [B, T] -> [B, T, D/2, 2]."""
+    rope = table[input_pos]
+    return rope.unsqueeze(0).expand(batch, -1, -1, -1) if rope.dim() == 3 else rope
+
+
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
     # Interleaved pairs (2i, 2i+1), the Meta / gpt-fast layout; HF checkpoints are permuted into it.
     xs = x.float().reshape(*x.shape[:-1], -1, 2)
@@ -202,9 +208,7 @@ class Transformer(nn.Module):
 
     def setup_caches(self, max_seq_length: int, batch: int = 1, dtype=None):
         """Allocates the KV caches and the RoPE table; the table always covers the whole cache."""
-        dtype = dtype or self.tok_embeddings.weight.dtype
-        if dtype not in (torch.float32, torch.float16, torch.bfloat16):
-            dtype = torch.bfloat16  # quantised embeddings: caches in the activation dtype
+        dtype = dtype or self.norm.weight.dtype  # norms stay float in quantised models
         device = self.tok_embeddings.weight.device
         self.max_seq_length = max_seq_length
         for layer in self.layers:
@@ -221,9 +225,7 @@ class Transformer(nn.Module):
         return self.norm(self.run_layers(x, input_pos, cache_pos, mask))
 
     def run_layers(self, x: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
-        rope = self.rope[input_pos]
-        if rope.dim() == 3:
-            rope = rope.unsqueeze(0).expand(x.shape[0], -1, -1, -1)
+        rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
         for layer in self.layers:
             x = layer(x, rope, cache_pos, mask)

@@ -44,34 +44,26 @@ def destroy_dist():
 
 def check_shardable(model: nn.Module, world: int):
     """Raises a one-line ValueError unless every sharded size divides by the world size and every
-    sharded weight is float or per-channel int8."""
+    sharded weight is float or int8 with one scale per output channel."""
     args = model.args
     for name, size in (("n_head", args.n_head), ("n_local_heads", args.n_local_heads), ("intermediate_size", args.intermediate_size)):
         if size % world:
             raise ValueError(f"tensor parallelism over {world} ranks needs {name} divisible by {world}, got {size}")
     for layer in model.layers:
-        for linear in sharded_linears(layer):
+        a, f = layer.attention, layer.feed_forward
+        for linear in (a.wqkv, a.wo, f.w1, f.w2, f.w3):
             check_linear(linear)
-
-
-def sharded_linears(layer: nn.Module) -> list:
-    a, f = layer.attention, layer.feed_forward
-    return [a.wqkv, a.wo, f.w1, f.w2, f.w3]
 
 
 def check_linear(linear: nn.Module):
     tensors = dict(linear.named_parameters(recurse=False)) | dict(linear.named_buffers(recurse=False))
-    weight = tensors.get("weight")
-    if weight is None or weight.dtype not in FLOAT_DTYPES + (torch.int8,):
-        raise ValueError(f"tensor parallelism supports float and int8 weights, not {type(linear).__name__} "
-                         f"({None if weight is None else weight.dtype}); use an unquantised or int8 checkpoint")
-    extra = set(tensors) - {"weight"}
-    if weight.dtype == torch.int8:
-        scales = tensors.get("scales")
-        if extra != {"scales"} or scales.shape != weight.shape[:1]:
-            raise ValueError(f"tensor parallelism supports int8 with one scale per output channel; {type(linear).__name__} holds {sorted(tensors)}")
-    elif extra:
-        raise ValueError(f"tensor parallelism does not support {type(linear).__name__} with {sorted(extra)}")
+    weight, scales = tensors.get("weight"), tensors.get("scales")
+    if weight is not None and weight.dtype in FLOAT_DTYPES and set(tensors) == {"weight"}:
+        return
+    if weight is not None and weight.dtype == torch.int8 and set(tensors) == {"weight", "scales"} and scales.shape == weight.shape[:1]:
+        return
+    layout = ", ".join(f"{k} {tuple(t.shape)} {t.dtype}" for k, t in tensors.items())
+    raise ValueError(f"tensor parallelism supports float and int8 (per-channel scales) weights, not {type(linear).__name__} ({layout})")
 
 
 def shard(t: torch.Tensor, dim: int, rank: int, world: int) -> torch.Tensor:
@@ -100,8 +92,8 @@ def shard_linear(linear: nn.Module, dim: int, rank: int, world: int, parts=None)
 
 
 def all_reduce_output(group):
-    # funcol, unlike the in-place dist.all_reduce, is a traceable op: it compiles with fullgraph
-    # and CUDA graphs, and works eagerly too.
+    # funcol, unlike the in-place dist.all_reduce, returns a new tensor that torch.compile traces
+    # with fullgraph; eagerly it works as well.
     def hook(module, inputs, output):
         return funcol.all_reduce(output, "sum", group)
 

@@ -386,6 +386,8 @@ def run(cfg: TrainConfig) -> int:
     if len(convs) < len(requests) or (not cfg.prompts and len(requests) < cfg.num_prompts and time.monotonic() > deadline):
         print(f"stopped after {cfg.max_seconds} s with {len(convs)} conversations: rerun to continue", file=sys.stderr)
         return 0
+    if not convs:
+        raise UsageError("no usable requests: pass --prompts FILE.jsonl")
     train(cfg, target, add_features(target, convs, cfg.gen_batch), deadline)
     print(f"wrote {cfg.out / 'head'}", file=sys.stderr)
     return 0

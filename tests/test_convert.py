@@ -1,5 +1,6 @@
 # The converter against transformers: logits of converted checkpoints (prefill and KV-cached decode steps), an
 # official-format EAGLE head against transformers' decoder layer, and the CLI's errors.
+import functools
 import json
 import os
 import shutil
@@ -163,9 +164,12 @@ def test_default_checkpoint_without_the_package(monkeypatch, tmp_path):
         convert.default_checkpoint()
 
 
-def test_smollm2_logits_match_transformers_gguf_loader(smollm2):
+def test_smollm2_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
+    import gguf
     from transformers import AutoModelForCausalLM
 
+    # transformers rebuilds this pure name table for each of ~400 submodules: a third of its load time
+    monkeypatch.setattr(gguf, "get_tensor_name_map", functools.lru_cache(gguf.get_tensor_name_map))
     _, path = smollm2
     gguf_path = smollm2_gguf_path()
     hf_model = AutoModelForCausalLM.from_pretrained(gguf_path.parent, gguf_file=gguf_path.name, dtype=torch.float32).eval()
@@ -220,7 +224,10 @@ def test_eagle_head_matches_transformers_decoder_layer(gqa_tied, tmp_path, bias)
     assert (ours - expected).abs().max().item() < 1e-4
 
 
-@pytest.mark.parametrize("override, message", [({"hidden_size": 96}, "hidden size 96"), ({"vocab_size": 321}, "vocabulary 321")])
+@pytest.mark.parametrize("override, message", [
+    ({"hidden_size": 96}, "hidden size 96"),
+    ({"vocab_size": 321}, "vocabulary 321"),
+])
 def test_eagle_head_that_does_not_fit_the_target(gqa_tied, tmp_path, override, message):
     _, hf_model, target_dir = gqa_tied
     write_official_eagle_head(tmp_path / "official", hf_model, **override)
@@ -235,7 +242,8 @@ def test_eagle_head_that_does_not_fit_the_target(gqa_tied, tmp_path, override, m
 
 def test_eagle3_head_is_refused(tmp_path):
     (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "draft_vocab_size": 32}))
-    torch.save({"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "d2t": torch.zeros(32, dtype=torch.long)}, tmp_path / "pytorch_model.bin")
+    eagle3 = {"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "d2t": torch.zeros(32, dtype=torch.long)}
+    torch.save(eagle3, tmp_path / "pytorch_model.bin")
     with pytest.raises(ValueError, match="EAGLE-3 heads are not supported"):
         convert.convert_eagle(tmp_path, tmp_path / "out")
 
@@ -288,9 +296,7 @@ def test_cli_errors_are_one_line(argv, tmp_path, capsys):
 
 
 def test_cli_error_without_traceback(tmp_path):
-    result = subprocess.run(
-        [sys.executable, str(ROOT / "convert_hf_checkpoint.py"), "--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "out")],
-        capture_output=True, text=True, cwd=ROOT,
-    )
+    argv = ["--checkpoint-dir", str(tmp_path), "--out", str(tmp_path / "out")]
+    result = subprocess.run([sys.executable, str(ROOT / "convert_hf_checkpoint.py"), *argv], capture_output=True, text=True, cwd=ROOT)
     assert result.returncode == 2
     assert result.stderr.startswith("error: ") and result.stderr.count("\n") == 1 and "Traceback" not in result.stderr

