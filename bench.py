@@ -35,7 +35,7 @@ class Lap:
         self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
         self.totals, self.t = {}, time.perf_counter()
 
-    def __call__(self, name):
+    def __call__(self, name, **cycle_tensors):
         self.sync()
         now = time.perf_counter()
         self.totals[name] = self.totals.get(name, 0.0) + now - self.t
@@ -44,7 +44,7 @@ class Lap:
 
 def run_mode(gen: Generator, tokenizer, margs, conversations, a, sampling, progress=True) -> dict:
     """Generates an answer for every turn (first turns unless --multi-turn); returns totals."""
-    totals = dict(new_tokens=0, seconds=0.0, cycles=0, hist=None, turns=0)
+    totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0)
     it = conversations
     if progress:
         from tqdm import tqdm
@@ -62,6 +62,7 @@ def run_mode(gen: Generator, tokenizer, margs, conversations, a, sampling, progr
             totals["turns"] += 1
             if r.accept_hist:
                 totals["cycles"] += r.cycles
+                totals["cycle_tokens"] += len(r.token_ids) - 1
                 totals["hist"] = [x + y for x, y in zip(totals["hist"] or [0] * len(r.accept_hist), r.accept_hist)]
             answer = [t for t in r.token_ids if t not in margs.stop_tokens]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
@@ -103,11 +104,8 @@ def bench(a) -> dict:
                "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
                "peak_memory_mb": round(peak_memory_mb(gen.device), 1)}
         if gen.spec:
-            hist, reached = tot["hist"], [sum(tot["hist"][d:]) for d in range(len(tot["hist"]))]
-            row.update(spec=gen.spec.__dict__, cycles=tot["cycles"],
-                       mean_accept_len=round(sum((i + 1) * c for i, c in enumerate(hist)) / tot["cycles"], 3),
-                       accept_rate_per_depth=[round(reached[d] / reached[d - 1], 3) if reached[d - 1] else 0.0 for d in range(1, len(hist))],
-                       cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3))
+            row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
+                       **generate.acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
             if a.split:
                 row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
         results[mode] = row
@@ -121,7 +119,7 @@ def bench(a) -> dict:
 
 def _mode_generator(ns, target) -> Generator:
     """A Generator for ns.speculate that shares the already loaded target."""
-    spec = generate.make_spec(ns, target.tok_embeddings.weight.device)
+    spec = generate.make_spec(ns, target.tok_embeddings.weight.device, target.args.vocab_size)
     head, draft_model = generate.load_drafter(ns, spec, target)
     return Generator(target, spec, head, draft_model, compile=ns.compile)
 

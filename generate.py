@@ -168,7 +168,8 @@ def scratch_mask(st: SpecState, head: EagleHead, anc: Tensor) -> Tensor:
 
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
-    """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool."""
+    """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
+    Returns the tree's tokens, parents and scores (each node's summed draft log-probs)."""
     k = spec.topk
     ctx = head.max_seq_length - spec.scratch
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
@@ -181,8 +182,9 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         return F.log_softmax(logits.float(), dim=-1)
 
     root_logp = F.log_softmax(target.output(h_root).float(), dim=-1)
-    sel, pool_tok, pool_parent = tree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
-    return tree.tree_from_pool(sel, pool_tok, pool_parent, st.root)
+    sel, pool_tok, pool_parent, pool_score = tree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
+    tokens, parents = tree.tree_from_pool(sel, pool_tok, pool_parent, st.root)
+    return tokens, parents, F.pad(pool_score[sel], (1, 0))  # the root's score is 0
 
 
 def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
@@ -203,7 +205,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         mask = scratch_mask(st, head, st.static_anc[nodes - 1])
         feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
         top = torch.topk(logits, STATIC_TOPK).indices
-    return torch.cat(tokens), parents
+    return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
 
 
 def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor):
@@ -237,19 +239,21 @@ def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonu
 
 def tree_cycle(target: Transformer, head: EagleHead, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
     """One EAGLE / EAGLE-2 cycle. Returns [accept_len, committed tokens (depth+1, the first
-    accept_len+1 real)]. lap(name), eager only, marks where each phase ends (bench.py's time split)."""
+    accept_len+1 real)]. lap(name), eager only, marks where each phase ends (bench.py's time split); at
+    "accept" it also gets the cycle's tokens, parents, draws and draft scores (calibration.py)."""
     h_root = draft_context(target, head, st, spec)
     draft_tree = draft_dynamic if spec.mode == "eagle2" else draft_static
-    tokens, parents = draft_tree(target, head, st, spec, h_root)
+    tokens, parents, scores = draft_tree(target, head, st, spec, h_root)
     lap and lap("draft")
     anc = tree.ancestor_mask(parents, spec.depth)
     depths = anc.sum(-1) - 1
     lap and lap("tree")
     logits, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
-    accept_len, path, bonus = tree.accept(tokens, parents, depths, sampling.draw(logits), spec.depth)
+    draws = sampling.draw(logits)
+    accept_len, path, bonus = tree.accept(tokens, parents, depths, draws, spec.depth)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
-    lap and lap("accept")
+    lap and lap("accept", tokens=tokens, parents=parents, draws=draws, scores=scores)
     return out
 
 
@@ -300,16 +304,19 @@ class Result:
                "tokens_per_s": round(len(self.token_ids) / max(self.seconds, 1e-9), 2)}
         if spec is None or not self.cycles:
             return out
-        hist = self.accept_hist
-        reached = [sum(hist[d:]) for d in range(len(hist))]
-        out.update(
-            cycles=self.cycles,
-            # tau: tokens committed per target forward (verify), the bonus token included
-            mean_accept_len=round(sum((a + 1) * c for a, c in enumerate(hist)) / self.cycles, 4),
-            accept_len_hist=hist,
-            accept_rate_per_depth=[round(reached[d] / reached[d - 1], 4) if reached[d - 1] else 0.0 for d in range(1, len(hist))],
-        )
-        return out
+        return out | acceptance_metrics(self.accept_hist, len(self.token_ids) - 1, self.cycles)
+
+
+def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
+    """hist[a]: cycles that accepted a draft tokens; cycle_tokens: tokens the cycles committed, cut at
+    the stop token or the token limit (the first token comes from the prefill, not a cycle)."""
+    reached = [sum(hist[d:]) for d in range(len(hist))]
+    return dict(
+        cycles=cycles,
+        mean_accept_len=round(cycle_tokens / cycles, 4),  # tau: tokens per target forward, bonus included
+        accept_len_hist=hist,
+        accept_rate_per_depth=[round(reached[d] / reached[d - 1], 4) if reached[d - 1] else 0.0 for d in range(1, len(hist))],
+    )
 
 
 def compiled(fn, **kw):
@@ -348,7 +355,8 @@ class Generator:
 
     @torch.inference_mode()
     def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), on_tokens=None, lap=None) -> Result:
-        """lap(name): run the cycle eagerly and call lap at the end of each phase (bench.py's split)."""
+        """lap(name, **cycle_tensors): run the cycle eagerly and call lap at the end of each phase
+        (bench.py's split); see tree_cycle for the tensors."""
         if len(prompt) + max_new_tokens > self.target.args.block_size:
             raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
         self.reserve(len(prompt) + max_new_tokens)
@@ -362,7 +370,7 @@ class Generator:
         lap and lap("prefill")
         out = [int(root)]
         if on_tokens:
-            on_tokens(out)
+            on_tokens(out[:])
         hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
         cycles = 0
         if self.spec:
@@ -455,9 +463,11 @@ def check_args(a):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
 
 
-def make_spec(a, device) -> Optional[TreeSpec]:
+def make_spec(a, device, vocab_size: int) -> Optional[TreeSpec]:
     if a.speculate == "none":
         return None
+    if a.topk > vocab_size:
+        raise UsageError(f"--topk {a.topk} exceeds the vocabulary of {vocab_size}")
     if a.speculate == "sps":
         return TreeSpec("sps", depth=a.speculate_k or a.depth or 4, topk=1, num_draft_tokens=0)
     if a.speculate == "eagle":
@@ -513,7 +523,7 @@ def setup(a):
         except ValueError as e:
             raise UsageError(str(e)) from None
         target.to(device)
-    spec = make_spec(a, device)
+    spec = make_spec(a, device, target.args.vocab_size)
     head, draft_model = load_drafter(a, spec, target)
     from tokenizer import load_tokenizer
 

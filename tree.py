@@ -59,7 +59,7 @@ def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
     root_logp [V]: draft log-probs for the root's children. step(level, tokens [k], parent [k]) runs the
     draft on the k nodes chosen at `level` (parent indexes the nodes chosen at level-1) and returns
     their children's log-probs [k, V]. Returns the selected pool indices (ascending, ancestor-closed),
-    and the pool's tokens and parents (pool indices, -1 for the root)."""
+    and the pool's tokens, parents (pool indices, -1 for the root) and scores (summed log-probs)."""
     score, tok = torch.topk(root_logp, k)
     idx = torch.arange(k, device=tok.device)  # pool index of each chosen node
     parent = torch.zeros_like(idx)
@@ -73,8 +73,8 @@ def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
         parent = best // k
         idx = k + (level - 1) * k * k + best
         tok, score = child_tok.flatten()[best], child_score.flatten()[best]
-    sel = rerank(torch.cat(pool_score), m)
-    return sel, torch.cat(pool_tok), torch.cat(pool_parent)
+    pool_scores = torch.cat(pool_score)
+    return rerank(pool_scores, m), torch.cat(pool_tok), torch.cat(pool_parent), pool_scores
 
 
 def rerank(pool_scores: Tensor, m: int) -> Tensor:
@@ -119,9 +119,19 @@ def static_tree(paths=EAGLE1_TREE):
 
 # ---- verification ----
 
+def accepted_nodes(tokens: Tensor, parents: Tensor, draws: Tensor, depth: int) -> Tensor:
+    """[n] bool: the root, and every node whose parent is accepted and whose token equals the token
+    drawn at its parent."""
+    is_root = torch.arange(tokens.shape[0], device=tokens.device) == 0
+    matched = tokens == draws[parents]
+    ok = is_root
+    for _ in range(depth):
+        ok = is_root | (matched & ok[parents])
+    return ok
+
+
 def accept(tokens: Tensor, parents: Tensor, depths: Tensor, draws: Tensor, depth: int):
-    """Walk the tree matching drawn tokens: a node is accepted when its parent is and its token equals
-    the token drawn at its parent. draws holds one target token per node: the argmax when greedy, one
+    """Walk the tree matching drawn tokens (accepted_nodes). draws holds one target token per node: the argmax when greedy, one
     sample of the processed target distribution when sampling. For drafts that are deterministic given
     the prefix (top-k trees) this is exactly multi-round speculative sampling: the chance to move to a
     child is its target probability, and a miss leaves the target distribution restricted to the other
@@ -129,11 +139,7 @@ def accept(tokens: Tensor, parents: Tensor, depths: Tensor, draws: Tensor, depth
 
     Returns accept_len (accepted draft nodes, a 0-d tensor), path [depth+1] (node indices from the
     root; entries past accept_len repeat the last accepted node) and the bonus token."""
-    is_root = torch.arange(tokens.shape[0], device=tokens.device) == 0
-    matched = tokens == draws[parents]
-    ok = is_root
-    for _ in range(depth):
-        ok = is_root | (matched & ok[parents])
+    ok = accepted_nodes(tokens, parents, draws, depth)
     accept_len = torch.where(ok, depths, 0).max()
     levels = torch.arange(depth + 1, device=tokens.device)
     on_path = ok.unsqueeze(0) & (depths.unsqueeze(0) == levels.clamp(max=accept_len).unsqueeze(1))

@@ -18,6 +18,7 @@ TRAIN_ARGS = ["--num-prompts", "6", "--max-request-tokens", "24", "--max-answer-
               "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "3", "--save-every", "5", "--device", "cpu"]
 STEPS_PER_EPOCH = 3  # 6 conversations, 2 per step
 SPEC = TreeSpec("eagle2", depth=4, topk=4, num_draft_tokens=12)
+pytestmark = pytest.mark.usefixtures("single_thread")
 
 
 def write_tiny_checkpoint(out: Path):

@@ -58,7 +58,7 @@ def fig7_grow(calls):
 
 
 def fig7_tree():
-    sel, pool_tok, pool_parent = fig7_grow([])
+    sel, pool_tok, pool_parent, _ = fig7_grow([])
     return tree.tree_from_pool(sel, pool_tok, pool_parent, torch.tensor(9))
 
 
@@ -70,7 +70,7 @@ def test_fig7_expands_the_top_k_nodes_by_value():
 
 
 def test_fig7_rerank_keeps_the_m_best_values():
-    sel, pool_tok, pool_parent = fig7_grow([])
+    sel, pool_tok, pool_parent, _ = fig7_grow([])
     paths = pool_paths(pool_tok, pool_parent)
     assert len(paths) == 10 and len(sel) == 8
     assert {paths[i] for i in range(10) if i not in sel.tolist()} == {(0, 3, 4), (1, 5)}  # A3-4, B5
@@ -123,8 +123,9 @@ def random_grow(rng: random.Random, g: torch.Generator, ties: bool):
             rows.setdefault(p, logp())
         return torch.stack([rows[p] for p in paths])
 
-    sel, pool_tok, pool_parent = tree.grow(rows[()], step, k, depth, m)
-    return dict(k=k, depth=depth, m=m, rows=rows, expanded=expanded, sel=sel, pool_tok=pool_tok, pool_parent=pool_parent)
+    sel, pool_tok, pool_parent, pool_score = tree.grow(rows[()], step, k, depth, m)
+    return dict(k=k, depth=depth, m=m, rows=rows, expanded=expanded, sel=sel, pool_tok=pool_tok, pool_parent=pool_parent,
+                pool_score=pool_score)
 
 
 def path_value(rows, path):
@@ -168,6 +169,7 @@ def check_grown_tree(r):
 def check_values(r):
     paths = pool_paths(r["pool_tok"], r["pool_parent"])
     values = [path_value(r["rows"], p) for p in paths]
+    assert r["pool_score"].tolist() == values
     s = set(r["sel"].tolist())
     assert min(values[i] for i in s) >= max((v for i, v in enumerate(values) if i not in s), default=-inf)
     for level, chosen in r["expanded"].items():
@@ -234,6 +236,13 @@ def test_accept_stops_at_the_first_miss_and_takes_the_bonus_there():
 def test_accept_ignores_matches_below_a_rejected_parent():
     # node 3 (token 4) matches node 1's draw and node 6 (token 8) matches node 3's, but node 1 lost
     assert run_accept([5, 4, 2, 8, 0, 0, 0]) == (1, [0, 2, 2, 2], 2)
+
+
+def test_accepted_nodes_are_the_matched_path_from_the_root():
+    draws = torch.tensor([5, 4, 2, 8, 0, 0, 0])  # nodes 3 and 6 match their parents' draws, under the rejected node 1
+    assert tree.accepted_nodes(ACC_TOKENS, ACC_PARENTS, draws, 3).tolist() == [True, False, True, False, False, False, False]
+    draws = torch.tensor([3, 4, 0, 8, 0, 0, 2])
+    assert tree.accepted_nodes(ACC_TOKENS, ACC_PARENTS, draws, 3).tolist() == [True, True, False, True, False, False, True]
 
 
 def test_accept_with_greedy_draws_takes_the_argmax_path():

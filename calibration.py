@@ -1,0 +1,152 @@
+# The EAGLE-2 paper's Figure 6 from a real run: the draft head's confidence in each drafted token (its
+# probability given its parent) against how often the target accepted it, greedy, per confidence bin.
+# Only nodes whose parent was accepted count: the target never tests the children of a rejected node.
+import json
+import sys
+from pathlib import Path
+
+import torch
+
+import generate
+import tree
+from bench import MT_BENCH, load_conversations
+from generate import Sampling, UsageError
+
+
+class Calibration:
+    """A Generator.generate lap hook that counts, per confidence bin, the drafted nodes the target
+    tested and accepted."""
+
+    def __init__(self, bins: int, depth: int):
+        self.bins, self.depth = bins, depth
+        self.tested = torch.zeros(bins, dtype=torch.long)
+        self.accepted = torch.zeros(bins, dtype=torch.long)
+        self.confidence = torch.zeros(bins, dtype=torch.float64)  # summed over tested nodes
+
+    def __call__(self, phase, tokens=None, parents=None, draws=None, scores=None):
+        if phase == "accept":
+            self.add(tokens, parents, draws, scores)
+
+    def add(self, tokens, parents, draws, scores):
+        """One verified tree; scores are summed draft log-probs, so a node's confidence is
+        exp(score - parent's score)."""
+        accepted = tree.accepted_nodes(tokens, parents, draws, self.depth)
+        tested = accepted[parents]
+        confidence = (scores - scores[parents]).exp()
+        tested, accepted, confidence = tested[1:].cpu(), accepted[1:].cpu(), confidence[1:].double().cpu()  # the root is no draft
+        accepted, confidence = accepted[tested], confidence[tested]
+        bucket = (confidence * self.bins).long().clamp(max=self.bins - 1)
+        self.tested += torch.bincount(bucket, minlength=self.bins)
+        self.accepted += torch.bincount(bucket[accepted], minlength=self.bins)
+        self.confidence += torch.bincount(bucket, weights=confidence, minlength=self.bins)
+
+    def report(self) -> dict:
+        tested, accepted = self.tested.sum().item(), self.accepted.sum().item()
+        return {
+            "bin_edges": [round(i / self.bins, 4) for i in range(self.bins + 1)],
+            "tested": self.tested.tolist(),
+            "accepted": self.accepted.tolist(),
+            "acceptance_rate": [ratio(a, t) for a, t in zip(self.accepted.tolist(), self.tested.tolist())],
+            "mean_confidence": [ratio(c, t) for c, t in zip(self.confidence.tolist(), self.tested.tolist())],
+            "overall": {
+                "tested": tested,
+                "accepted": accepted,
+                "acceptance_rate": ratio(accepted, tested),
+                "mean_confidence": ratio(self.confidence.sum().item(), tested),
+                # expected calibration error: the tested-weighted gap between confidence and acceptance
+                "calibration_error": ratio((self.accepted - self.confidence).abs().sum().item(), tested),
+            },
+        }
+
+
+def ratio(a, b):
+    return round(a / b, 4) if b else None
+
+
+def calibrate(gen: generate.Generator, prompts, max_new_tokens: int, bins: int, stop_ids=()) -> Calibration:
+    """Greedy generation of every prompt (token id lists), eager, counting each cycle's tree."""
+    calibration = Calibration(bins, gen.spec.depth)
+    for prompt in prompts:
+        gen.generate(prompt, max_new_tokens, Sampling(), stop_ids, lap=calibration)
+    return calibration
+
+
+def print_table(report: dict):
+    edges = report["bin_edges"]
+    print(f"{'confidence':11} {'tested':>8} {'accepted':>8} {'rate':>6} {'mean conf':>9}")
+    for i, (t, a, rate, conf) in enumerate(zip(report["tested"], report["accepted"], report["acceptance_rate"], report["mean_confidence"])):
+        print(f"{f'{edges[i]:.2f}-{edges[i + 1]:.2f}':11} {t:8} {a:8} {fmt(rate):>6} {fmt(conf):>9}")
+    o = report["overall"]
+    print(f"{'all':11} {o['tested']:8} {o['accepted']:8} {fmt(o['acceptance_rate']):>6} {fmt(o['mean_confidence']):>9}"
+          f"  calibration error {fmt(o['calibration_error'])}")
+
+
+def fmt(x) -> str:
+    return "-" if x is None else f"{x:.3f}"
+
+
+def plot(report: dict, path: Path, title: str):
+    try:
+        from matplotlib.figure import Figure
+    except ImportError:
+        raise UsageError("plotting needs matplotlib, which the project does not depend on: pip install matplotlib") from None
+    edges = report["bin_edges"]
+    fig = Figure(figsize=(6, 4.5))
+    ax = fig.subplots()
+    rates = [r or 0.0 for r in report["acceptance_rate"]]
+    bars = ax.bar(edges[:-1], rates, width=edges[1] - edges[0], align="edge", edgecolor="black", label="acceptance rate")
+    ax.bar_label(bars, labels=[f"n={t}" if t else "" for t in report["tested"]], fontsize=6, rotation=90, padding=2)
+    ax.plot([0, 1], [0, 1], "r--", label="perfect calibration")
+    ax.set(xlim=(0, 1), ylim=(0, 1.1), xlabel="draft confidence", ylabel="acceptance rate", title=title)
+    ax.legend(loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path, dpi=150)
+
+
+def build_parser():
+    p = generate._Parser(description="Draft confidence against acceptance rate (EAGLE-2 Figure 6), greedy.")
+    p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
+    p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl, first turns (default: ../shared/data/mt_bench.jsonl)")
+    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--depth", type=int, default=6)
+    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--num-draft-tokens", type=int, default=60)
+    p.add_argument("--bins", type=int, default=20, help="equal confidence bins (20: the paper's 0.05 wide)")
+    p.add_argument("--device", default=None)
+    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
+    p.add_argument("--out", type=Path, default=Path("calibration.png"))
+    p.add_argument("--json", type=Path, default=Path("calibration.json"))
+    return p
+
+
+def main(argv=None) -> int:
+    try:
+        a = build_parser().parse_args(argv)
+        if a.bins < 1:
+            raise UsageError(f"--bins must be >= 1, got {a.bins}")
+        if not a.prompts.exists():
+            raise UsageError(f"prompts file {a.prompts} does not exist")
+        ns = generate.build_parser().parse_args(["--speculate", "eagle2"])
+        for k in ("checkpoint", "draft", "device", "dtype", "max_new_tokens", "depth", "topk", "num_draft_tokens"):
+            setattr(ns, k, getattr(a, k))
+        gen, tokenizer, margs = generate.setup(ns)
+        from tqdm import tqdm
+
+        conversations = load_conversations(a.prompts, a.num_prompts)
+        prompts = [generate.encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
+        calibration = calibrate(gen, tqdm(prompts, file=sys.stderr, leave=False), a.max_new_tokens, a.bins, margs.stop_tokens)
+        report = {"checkpoint": str(a.checkpoint or "default"), "draft": str(a.draft or "default"), "prompts": str(a.prompts),
+                  "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "spec": gen.spec.__dict__, **calibration.report()}
+        print_table(report)
+        a.json.write_text(json.dumps(report, indent=2) + "\n")
+        plot(report, a.out, f"{Path(report['checkpoint']).name}, T=0: {report['overall']['tested']} tested drafts")
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

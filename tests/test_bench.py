@@ -1,0 +1,45 @@
+# bench.py end to end on a tiny converted checkpoint: every mode on the same prompts, one report.
+import json
+
+import pytest
+
+import bench
+from convert_hf_checkpoint import convert_hf
+from draft import EagleHead, save_head
+from hf_fixtures import write_hf_llama
+
+
+@pytest.fixture(scope="module")
+def setup_dirs(tmp_path_factory, single_thread):
+    root = tmp_path_factory.mktemp("bench")
+    write_hf_llama(root / "hf", vocab=320, seed=0)
+    args = convert_hf(root / "hf", root / "ckpt")
+    save_head(EagleHead(args), root / "head")
+    prompts = root / "prompts.jsonl"
+    prompts.write_text("".join(json.dumps({"turns": [f"Say something about {w}.", "And more?"]}) + "\n" for w in ("cats", "rain", "code")))
+    return root, prompts
+
+
+def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
+    root, prompts = setup_dirs
+    out = root / "report.json"
+    argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--draft-checkpoint", str(root / "ckpt"),
+            "--modes", "none,eagle2,eagle,sps", "--prompts", str(prompts), "--max-new-tokens", "12",
+            "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--multi-turn", "--split", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    modes = report["modes"]
+    assert list(modes) == ["none", "eagle2", "eagle", "sps"]
+    assert all(m["turns"] == 6 for m in modes.values())  # 3 conversations x 2 turns
+    assert modes["none"]["speedup"] == 1.0
+    # sps drafts with the target itself: every draft token is accepted at every depth
+    assert modes["sps"]["accept_rate_per_depth"] == [1.0] * 3 and modes["sps"]["mean_accept_len"] > 3
+    for m in ("eagle2", "eagle"):
+        assert set(modes[m]["split_ms"]) == {"draft", "tree", "verify", "accept"}
+        assert modes[m]["mean_accept_len"] >= 1
+    assert "eagle2" in capsys.readouterr().out
+
+
+def test_bench_missing_prompts_is_one_line_error(tmp_path, capsys):
+    assert bench.main(["--prompts", str(tmp_path / "none.jsonl")]) == 2
+    assert capsys.readouterr().err.strip().startswith("error: prompts file")
