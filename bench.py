@@ -17,9 +17,11 @@ MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench.jsonl"
 
 
 def load_conversations(path, limit=None) -> list:
-    """MT-bench format: one JSON object per line with `turns` (or a single `prompt`)."""
+    """MT-bench format: one JSON object per line with `turns` (or a single `prompt`). A limit takes
+    conversations spread evenly over the file, so a subset still spans every category."""
     rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    return [r.get("turns") or [r["prompt"]] for r in rows][:limit]
+    conversations = [r.get("turns") or [r["prompt"]] for r in rows]
+    return conversations[:: max(1, len(conversations) // limit)][:limit] if limit else conversations
 
 
 def peak_memory_mb(device) -> float:
@@ -149,7 +151,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-checkpoint", type=Path, default=None)
     p.add_argument("--modes", default="none,eagle2", help="comma list of none, eagle2, eagle, sps")
     p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl (default: ../shared/data/mt_bench.jsonl)")
-    p.add_argument("--num-prompts", type=int, default=None)
+    p.add_argument("--num-prompts", type=int, default=None, help="a subset spread evenly over the file")
     p.add_argument("--multi-turn", action="store_true", help="continue each conversation through all its turns")
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--temperature", type=float, default=0.0)

@@ -22,6 +22,7 @@ class Calibration:
         self.tested = torch.zeros(bins, dtype=torch.long)
         self.accepted = torch.zeros(bins, dtype=torch.long)
         self.confidence = torch.zeros(bins, dtype=torch.float64)  # summed over tested nodes
+        self.acceptance = {}  # tau and per-depth rates of the whole run (generate.acceptance_metrics)
 
     def __call__(self, phase, tokens=None, parents=None, draws=None, scores=None):
         if phase == "accept":
@@ -66,8 +67,13 @@ def ratio(a, b):
 def calibrate(gen: generate.Generator, prompts, max_new_tokens: int, bins: int, stop_ids=()) -> Calibration:
     """Greedy generation of every prompt (token id lists), eager, counting each cycle's tree."""
     calibration = Calibration(bins, gen.spec.depth)
+    hist, cycle_tokens, cycles = [0] * (gen.spec.depth + 1), 0, 0
     for prompt in prompts:
-        gen.generate(prompt, max_new_tokens, Sampling(), stop_ids, lap=calibration)
+        r = gen.generate(prompt, max_new_tokens, Sampling(), stop_ids, lap=calibration)
+        hist = [x + y for x, y in zip(hist, r.accept_hist)]
+        cycle_tokens, cycles = cycle_tokens + len(r.token_ids) - 1, cycles + r.cycles
+    if cycles:
+        calibration.acceptance = generate.acceptance_metrics(hist, cycle_tokens, cycles)
     return calibration
 
 
@@ -138,7 +144,7 @@ def main(argv=None) -> int:
         prompts = [generate.encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
         calibration = calibrate(gen, tqdm(prompts, file=sys.stderr, leave=False), a.max_new_tokens, a.bins, margs.stop_tokens)
         report = {"checkpoint": str(a.checkpoint or "default"), "draft": str(a.draft or "default"), "prompts": str(a.prompts),
-                  "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "spec": gen.spec.__dict__, **calibration.report()}
+                  "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "spec": gen.spec.__dict__, **calibration.acceptance, **calibration.report()}
         print_table(report)
         a.json.write_text(json.dumps(report, indent=2) + "\n")
         plot(report, a.out, f"{Path(report['checkpoint']).name}, T=0: {report['overall']['tested']} tested drafts")

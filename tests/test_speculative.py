@@ -69,7 +69,11 @@ def test_greedy_speculation_reproduces_vanilla(tiny, name):
 def test_target_as_its_own_draft_accepts_every_token(tiny):
     spec = SPECS["sps-self"]
     result = tiny.generator("sps-self").generate(tiny.prompt, NEW_TOKENS, GREEDY)
-    assert result.metrics(spec)["mean_accept_len"] == spec.depth + 1
+    m = result.metrics(spec)
+    assert m["accept_len_hist"][spec.depth] == m["cycles"] and m["accept_rate_per_depth"] == [1.0] * spec.depth
+    # tau counts only what was kept: the last cycle is cut at the token limit
+    assert m["mean_accept_len"] == pytest.approx((NEW_TOKENS - 1) / m["cycles"], abs=1e-4)
+    assert m["cycles"] == -(-(NEW_TOKENS - 1) // (spec.depth + 1))
 
 
 def stop_position(ref):
