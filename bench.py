@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import generate
+import sizing
 from generate import Generator, Sampling, TreeSpec, UsageError
 
 REPO = Path(__file__).resolve().parent
@@ -86,7 +87,7 @@ def time_split(gen: Generator, tokenizer, margs, conversations, a, sampling) -> 
 def bench(a) -> dict:
     ns = generate.build_parser().parse_args(["--speculate", "none"])
     for k in ("checkpoint", "draft", "draft_checkpoint", "device", "dtype", "compile", "temperature", "top_k", "top_p",
-              "depth", "topk", "num_draft_tokens", "speculate_k", "max_new_tokens", "seed"):
+              "depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "max_new_tokens", "seed"):
         setattr(ns, k, getattr(a, k))
     base, tokenizer, margs = generate.setup(ns)
     target = base.target
@@ -96,21 +97,7 @@ def bench(a) -> dict:
     for mode in a.modes.split(","):
         ns.speculate = mode
         gen = base if mode == "none" else _mode_generator(ns, target)
-        t0 = time.perf_counter()
-        run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False)  # warm-up and compile
-        warmup = time.perf_counter() - t0
-        if gen.device.type == "cuda":
-            torch.cuda.reset_peak_memory_stats()
-        tot = run_mode(gen, tokenizer, margs, conversations, a, sampling)
-        row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
-               "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
-               "peak_memory_mb": round(peak_memory_mb(gen.device), 1)}
-        if gen.spec:
-            row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
-                       **generate.acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
-            if a.split:
-                row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
-        results[mode] = row
+        results[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
     if "none" in results:
         for row in results.values():
             row["speedup"] = round(row["tokens_per_s"] / results["none"]["tokens_per_s"], 3)
@@ -119,10 +106,56 @@ def bench(a) -> dict:
             "prompts": str(a.prompts), "num_conversations": len(conversations), "multi_turn": a.multi_turn, "modes": results}
 
 
+def _timed_row(mode: str, gen: Generator, tokenizer, margs, conversations, a, sampling) -> dict:
+    t0 = time.perf_counter()
+    run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False)  # warm-up and compile
+    warmup = time.perf_counter() - t0
+    if gen.device.type == "cuda":
+        torch.cuda.reset_peak_memory_stats()
+    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling)
+    row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
+           "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
+           "peak_memory_mb": round(peak_memory_mb(gen.device), 1)}
+    if gen.spec:
+        row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
+                   **generate.acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
+        if a.split:
+            row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
+    return row
+
+
+def sweep(a) -> dict:
+    """eagle2 over the --sweep best trees by the cost model (sizing.py), measured on the same prompts; the
+    fastest is recorded as this device's default."""
+    ns = generate.build_parser().parse_args(["--speculate", "eagle2"])
+    for k in ("checkpoint", "draft", "device", "dtype", "compile", "temperature", "top_k", "top_p", "draft_vocab",
+              "max_new_tokens", "seed"):
+        setattr(ns, k, getattr(a, k))
+    base, tokenizer, margs = generate.setup(ns)
+    target, head = base.target, base.head
+    costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr))
+    options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk)[: a.sweep]
+    conversations = load_conversations(a.prompts, a.num_prompts)
+    sampling = Sampling(a.temperature, a.top_k, a.top_p)
+    rows = [_timed_row("none", Generator(target, compile=a.compile), tokenizer, margs, conversations, a, sampling)]
+    for m, depth, k in options:
+        gen = Generator(target, TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m), head, compile=a.compile)
+        rows.append(_timed_row("eagle2", gen, tokenizer, margs, conversations, a, sampling))
+        rows[-1]["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k), 3)
+    best = max(rows[1:], key=lambda r: r["tokens_per_s"])
+    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")))
+    for row in rows:
+        row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
+    return {"device": _device_name(base.device), "dtype": str(target.tok_embeddings.weight.dtype), "compile": a.compile,
+            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens, "prompts": str(a.prompts),
+            "num_conversations": len(conversations), "multi_turn": a.multi_turn, "costs": costs, "best": best["spec"],
+            "modes": {"none": rows[0]} | {_shape(r["spec"]): r for r in rows[1:]}}
+
+
 def _mode_generator(ns, target) -> Generator:
     """A Generator for ns.speculate that shares the already loaded target."""
-    spec = generate.make_spec(ns, target.tok_embeddings.weight.device, target.args.vocab_size)
-    head, draft_model = generate.load_drafter(ns, spec, target)
+    head, draft_model = generate.load_drafter(ns, target)
+    spec = generate.make_spec(ns, target, head)
     return Generator(target, spec, head, draft_model, compile=ns.compile)
 
 
@@ -132,15 +165,21 @@ def _device_name(device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
+def _shape(spec: dict) -> str:
+    return f"m{spec['num_draft_tokens']} d{spec['depth']} k{spec['topk']}"
+
+
 def print_table(report: dict):
     print(f"device {report['device']}, {report['dtype']}, compile {report['compile']}, T={report['temperature']}, "
           f"{report['num_conversations']} conversations, {report['max_new_tokens']} new tokens")
-    print(f"{'mode':8} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'cycle ms':>9} {'warmup s':>9} {'peak MB':>8}  per-depth acceptance / split ms")
+    print(f"{'mode':12} {'tree':12} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'cycle ms':>9} {'warmup s':>9} {'peak MB':>8}"
+          "  per-depth acceptance / split ms")
     for r in report["modes"].values():
+        shape = _shape(r["spec"]) if r.get("spec", {}).get("mode") == "eagle2" else ""
         extra = " ".join(f"{x:.2f}" for x in r.get("accept_rate_per_depth", []))
         if "split_ms" in r:
             extra += "  | " + " ".join(f"{k} {v}" for k, v in r["split_ms"].items())
-        print(f"{r['mode']:8} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
+        print(f"{r['mode']:12} {shape:12} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
               f"{r.get('cycle_ms', 1000 * r['seconds'] / max(r['new_tokens'], 1)):9.2f} {r['warmup_s']:9.2f} {r['peak_memory_mb']:8.0f}  {extra}")
 
 
@@ -162,20 +201,27 @@ def main(argv=None) -> int:
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
     p.add_argument("--compile", action="store_true")
     p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--topk", type=int, default=10)
+    p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--speculate-k", type=int, default=None)
+    p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
+    p.add_argument("--sweep", type=int, default=0, metavar="N",
+                   help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default")
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
         if not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
-        report = bench(a)
+        if a.sweep < 0:
+            raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
+        report = sweep(a) if a.sweep else bench(a)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print_table(report)
+    if a.sweep:
+        print(f"best for {report['device']}: {_shape(report['best'])} (recorded in {sizing.cache_path()})")
     if a.json_out:
         a.json_out.write_text(json.dumps(report, indent=2) + "\n")
     return 0

@@ -19,9 +19,10 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import quantize
+import sizing
 import tp
 import tree
-from draft import EagleHead, load_head
+from draft import EagleHead, load_head, use_draft_vocab
 from model import ModelArgs, Transformer, causal_mask, load_state
 
 REPO = Path(__file__).resolve().parent
@@ -145,9 +146,9 @@ class SpecState(nn.Module):
 
 
 def head_step(target: Transformer, head: EagleHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
-    """The head over n rows -> (predicted features [n, dim], draft logits [n, V])."""
+    """The head over n rows of target tokens -> (predicted features [n, dim], draft logits [n, V_draft])."""
     h = head(target.tok_embeddings(tokens)[None], feats[None], pos, slots, mask)[0]
-    return h, target.output(h)
+    return h, head.logits(h, target.output)
 
 
 def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
@@ -169,7 +170,8 @@ def scratch_mask(st: SpecState, head: EagleHead, anc: Tensor) -> Tensor:
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
-    Returns the tree's tokens, parents and scores (each node's summed draft log-probs)."""
+    Returns the tree's tokens, parents and scores (each node's summed draft log-probs). tree.grow sees
+    draft-vocabulary ids; the head reads, and the tree holds, target ids."""
     k = spec.topk
     ctx = head.max_seq_length - spec.scratch
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
@@ -178,12 +180,13 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         nonlocal feat, anc
         slots = ctx + (level - 1) * k + torch.arange(k, device=tok.device)
         anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
-        feat, logits = head_step(target, head, tok, feat[parent], (st.L - 1 + level).expand(k), slots, scratch_mask(st, head, anc))
+        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k), slots,
+                                 scratch_mask(st, head, anc))
         return F.log_softmax(logits.float(), dim=-1)
 
-    root_logp = F.log_softmax(target.output(h_root).float(), dim=-1)
+    root_logp = F.log_softmax(head.logits(h_root, target.output).float(), dim=-1)
     sel, pool_tok, pool_parent, pool_score = tree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
-    tokens, parents = tree.tree_from_pool(sel, pool_tok, pool_parent, st.root)
+    tokens, parents = tree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
     return tokens, parents, F.pad(pool_score[sel], (1, 0))  # the root's score is 0
 
 
@@ -192,7 +195,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     parents, ranks = st.static_parents, st.static_ranks
     ctx = head.max_seq_length - spec.scratch
     tokens, feats = [st.root], h_root[None]
-    top = torch.topk(target.output(h_root), STATIC_TOPK).indices[None]
+    top = head.target_ids(torch.topk(head.logits(h_root, target.output), STATIC_TOPK).indices[None])
     for level in range(1, spec.depth + 1):
         first, last = STATIC_LEVELS[level], STATIC_LEVELS[level + 1]
         local_parent = parents[first:last] - STATIC_LEVELS[level - 1]
@@ -204,7 +207,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         pos = (st.L - 1 + level).expand(last - first)
         mask = scratch_mask(st, head, st.static_anc[nodes - 1])
         feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
-        top = torch.topk(logits, STATIC_TOPK).indices
+        top = head.target_ids(torch.topk(logits, STATIC_TOPK).indices)
     return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
 
 
@@ -332,6 +335,8 @@ class Generator:
                  draft_model: Optional[Transformer] = None, compile: bool = False):
         self.target, self.spec, self.head, self.draft_model = target, spec, head, draft_model
         self.device = target.tok_embeddings.weight.device
+        if head is not None and len(head.draft_vocab) and head.lm_head is None:
+            use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
         self.state = SpecState(spec, target.args.dim, self.device) if spec else None
         self.prefill, self.decode_one = prefill, decode_one
         self.cycle = self.eager_cycle = tree_cycle if spec and spec.mode != "sps" else sps_cycle
@@ -439,10 +444,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
-    p.add_argument("--depth", type=int, default=None, help="draft levels (eagle2 default 6; sps chain length)")
+    p.add_argument("--depth", type=int, default=None, help="draft levels (eagle2 default: sized for the device; sps chain length)")
     p.add_argument("--speculate-k", type=int, default=None, help="sps: draft chain length (default 4)")
-    p.add_argument("--topk", type=int, default=10)
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="m: tree nodes verified besides the root (default 60 on GPU, 16 on CPU)")
+    p.add_argument("--topk", type=int, default=None, help="k: nodes expanded per level, children per node (default: sized for the device)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="m: tree nodes verified besides the root (default: sized for the device)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     return p
 
@@ -461,31 +467,40 @@ def check_args(a):
     for name in ("depth", "speculate_k", "topk", "num_draft_tokens"):
         if getattr(a, name) is not None and getattr(a, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if a.draft_vocab is not None and a.draft_vocab < 0:
+        raise UsageError(f"--draft-vocab must be >= 0, got {a.draft_vocab}")
 
 
-def make_spec(a, device, vocab_size: int) -> Optional[TreeSpec]:
+def make_spec(a, target: Transformer, head: Optional[EagleHead]) -> Optional[TreeSpec]:
+    """The cycle's shape. For eagle2, what --num-draft-tokens, --depth and --topk leave open is sized for
+    this device (sizing.py)."""
     if a.speculate == "none":
         return None
-    if a.topk > vocab_size:
-        raise UsageError(f"--topk {a.topk} exceeds the vocabulary of {vocab_size}")
     if a.speculate == "sps":
         return TreeSpec("sps", depth=a.speculate_k or a.depth or 4, topk=1, num_draft_tokens=0)
+    vocab = len(head.draft_vocab) or target.args.vocab_size
+    if (a.topk or 10) > vocab:
+        raise UsageError(f"--topk {a.topk} exceeds the draft vocabulary of {vocab}")
     if a.speculate == "eagle":
         return TreeSpec("eagle", depth=max(len(p) for p in tree.EAGLE1_TREE), topk=10, num_draft_tokens=len(tree.EAGLE1_TREE))
-    depth = a.depth or 6
-    m = a.num_draft_tokens or (60 if torch.device(device).type == "cuda" else 16)
-    pool = a.topk + (depth - 1) * a.topk * a.topk
-    if m > pool:
-        raise UsageError(f"--num-draft-tokens {m} exceeds the {pool} candidates of depth {depth} and topk {a.topk}")
-    return TreeSpec("eagle2", depth=depth, topk=a.topk, num_draft_tokens=m)
+    m, depth, k = a.num_draft_tokens, a.depth, a.topk
+    if m and depth and k:
+        if m > k + (depth - 1) * k * k:
+            raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
+    else:
+        try:
+            m, depth, k = sizing.device_tree(target, head, m, depth, k, log=lambda s: print(s, file=sys.stderr))
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m)
 
 
-def load_drafter(a, spec: Optional[TreeSpec], target: Transformer):
-    """The EAGLE head or the sps draft LLM that spec needs, on the target's device and dtype."""
+def load_drafter(a, target: Transformer):
+    """The EAGLE head or the sps draft LLM that --speculate needs, on the target's device and dtype."""
     device, dtype = target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype
-    if spec is None:
+    if a.speculate == "none":
         return None, None
-    if spec.mode == "sps":
+    if a.speculate == "sps":
         if a.draft_checkpoint is None:
             raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
         draft_model = load_model(a.draft_checkpoint, device, dtype)
@@ -496,7 +511,8 @@ def load_drafter(a, spec: Optional[TreeSpec], target: Transformer):
     if draft is None:
         raise UsageError("--speculate eagle/eagle2 needs --draft HEAD_DIR for this checkpoint")
     try:
-        return load_head(draft, target.args, device, dtype).eval(), None
+        head = load_head(draft, target.args, device, dtype).eval()
+        return use_draft_vocab(head, target.output, a.draft_vocab), None
     except (FileNotFoundError, ValueError) as e:
         raise UsageError(str(e).splitlines()[0]) from None
 
@@ -523,8 +539,8 @@ def setup(a):
         except ValueError as e:
             raise UsageError(str(e)) from None
         target.to(device)
-    spec = make_spec(a, device, target.args.vocab_size)
-    head, draft_model = load_drafter(a, spec, target)
+    head, draft_model = load_drafter(a, target)
+    spec = make_spec(a, target, head)
     from tokenizer import load_tokenizer
 
     return Generator(target, spec, head, draft_model, compile=a.compile), load_tokenizer(checkpoint), target.args

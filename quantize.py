@@ -120,6 +120,12 @@ class QuantLinear(nn.Module):
     def pack(self):
         """Builds the weight-only kernel's operands for the weight's device and the scales' dtype."""
         self.kernel, self.packed, self.scales_and_zeros = None, None, None
+        try:  # a build may lack the kernel for this device, dtype or shape: then the small-row path dequantises
+            self._pack()
+        except (RuntimeError, NotImplementedError):
+            self.kernel, self.packed, self.scales_and_zeros = None, None, None
+
+    def _pack(self):
         device, dtype = self.weight.device, self.scales.dtype
         if self.mode == "int8":
             self.kernel = "int8pack"
@@ -137,10 +143,7 @@ class QuantLinear(nn.Module):
             return
         if self.mode == "int4":
             self.scales_and_zeros = torch.stack([self.scales.t(), self.zeros.t()], dim=-1).contiguous()
-        try:  # a build may lack the kernel for this device or dtype: then the small-row path dequantises
-            self.weight_only_mm(torch.zeros(1, self.in_features, device=device, dtype=dtype))
-        except (RuntimeError, NotImplementedError):
-            self.kernel, self.packed, self.scales_and_zeros = None, None, None
+        self.weight_only_mm(torch.zeros(1, self.in_features, device=device, dtype=dtype))
 
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / casts move or cast the stored tensors; the kernel layouts depend on both, so rebuild

@@ -37,6 +37,15 @@ def rank() -> int:
     return dist.get_rank() if dist.is_initialized() else int(os.environ.get("RANK", 0))
 
 
+def from_rank0(obj):
+    """rank 0's obj on every rank: choices made from timings (the draft tree's size) must agree."""
+    if world_size() == 1:
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src=0)
+    return box[0]
+
+
 def destroy_dist():
     if dist.is_initialized():
         dist.destroy_process_group()

@@ -5,7 +5,8 @@
 #   answers    the target answers each request, batched and KV-cached (left padding), cached in --out
 #   features   one target forward per conversation: post-norm hidden states f_t (what the LM head reads)
 #   training   head slot j reads (emb(x_{j+1}), f_j + noise) at RoPE position j and predicts f_{j+1};
-#              loss = SmoothL1(pred, f_{j+1}) + 0.1 CE(softmax(lm_head(f_{j+1})) || lm_head(pred)),
+#              loss = SmoothL1(pred, f_{j+1}) + 0.1 CE(softmax(lm_head(f_{j+1})) || lm_head(pred)), the CE over the
+#              draft vocabulary (the answers' most frequent tokens) when there is one,
 #              counted where x_{j+1} is an answer token. Embedding and LM head are the target's, frozen.
 import argparse
 import json
@@ -14,6 +15,7 @@ import os
 import random
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Optional
@@ -25,7 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import tree
-from draft import EagleHead, save_head
+from draft import EagleHead, load_head, save_head
 from generate import UsageError, encode_prompt, load_model
 from model import Transformer, causal_mask
 from tokenizer import format_chat, load_tokenizer
@@ -64,12 +66,14 @@ class TrainConfig:
     batch_size: int = 8  # conversations per step
     lr: float = 3e-4
     warmup_steps: int = 100
+    draft_vocab: int = 16384  # the head drafts over the N tokens most frequent in the answers (0: all)
     noise: float = 0.1  # U(-noise, noise) added to input features
     cls_weight: float = 0.1
     clip: float = 0.5  # gradient clipping by value, as the official code
     save_every: int = 500
     max_seconds: float = 0.0  # stop cleanly (data cached, state saved) after this long; 0 = no limit
     resume: bool = False
+    init: Optional[Path] = None  # start from this head's weights (fine-tuning on new data)
     seed: int = 0
     device: Optional[str] = None
     dtype: Optional[str] = None  # the target's; the head trains in float32
@@ -230,9 +234,19 @@ def add_features(target: Transformer, convs: list, batch: int) -> list:
 
 # ---------------------------------------------------------------- training
 
-def new_head(target: Transformer, max_len: int) -> EagleHead:
+def count_draft_vocab(convs: list, size: int, vocab_size: int) -> Tensor:
+    """`size` token ids: the answers' tokens, most frequent first, then unseen ids in ascending order (BPE
+    ids follow merge order, a frequency ranking of the tokenizer's own corpus)."""
+    counts = Counter(t for c in convs for t in c["tokens"][c["prompt_len"]:])
+    seen = sorted(counts, key=lambda t: (-counts[t], t))
+    unseen = (t for t in range(vocab_size) if t not in counts)
+    return torch.tensor((seen + [t for _, t in zip(range(size - len(seen)), unseen)])[:size], dtype=torch.long)
+
+
+def new_head(target: Transformer, max_len: int, draft_vocab: Tensor) -> EagleHead:
     device = target.tok_embeddings.weight.device
-    head = EagleHead(replace(target.args, n_layer=1), fc_bias=True).to(device)
+    head = EagleHead(replace(target.args, n_layer=1), fc_bias=True, draft_vocab_size=len(draft_vocab)).to(device)
+    head.draft_vocab.copy_(draft_vocab)
     head.setup_caches(max_len)
     head.layers[0].attention.kv_cache = None  # training attends within each batch's T slots under a [T, T] mask
     return head
@@ -258,7 +272,7 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * cfg.noise
     pred = head(F.embedding(tokens[:, 1:], embed), feat_in, slot, slot, causal_mask(slot, T))[counted]
     target = feats[:, 1:][counted].float()
-    with torch.no_grad():
+    with torch.no_grad():  # over a draft vocabulary: the target's distribution restricted to it, renormalised
         target_probs = torch.softmax(F.linear(target, lm_head), dim=-1)
     logits = F.linear(pred, lm_head)
     reg = F.smooth_l1_loss(pred, target)
@@ -280,9 +294,9 @@ def save_state(out: Path, head: EagleHead, opt, step: int):
     os.replace(tmp, out / "train_state.pt")  # a crash mid-write keeps the previous state
 
 
-def train(cfg: TrainConfig, target: Transformer, data: list, deadline: float) -> int:
+def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
     """Returns the step reached. Appends one line per step to --out/train_log.jsonl."""
-    head = new_head(target, max(len(d["tokens"]) for d in data))
+    head = new_head(target, max(len(d["tokens"]) for d in data), draft_vocab)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     step, state_path = 0, cfg.out / "train_state.pt"
     if cfg.resume:
@@ -292,10 +306,16 @@ def train(cfg: TrainConfig, target: Transformer, data: list, deadline: float) ->
         head.load_state_dict(state["head"])
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-    elif (cfg.out / "train_log.jsonl").exists():
-        (cfg.out / "train_log.jsonl").unlink()
+    else:
+        if cfg.init:
+            weights = load_head(cfg.init, target.args, target.tok_embeddings.weight.device).state_dict()
+            head.load_state_dict({k: v for k, v in weights.items() if k != "draft_vocab"}, strict=False)
+        if (cfg.out / "train_log.jsonl").exists():
+            (cfg.out / "train_log.jsonl").unlink()
     embed = target.tok_embeddings.weight.detach().float()
     lm_head = target.output.weight.detach().float()
+    if len(draft_vocab):
+        lm_head = lm_head[draft_vocab.to(lm_head.device)]
     per_epoch = math.ceil(len(data) / cfg.batch_size)
     total = cfg.epochs * per_epoch
     torch.manual_seed(cfg.seed + step)
@@ -347,12 +367,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-size", type=int, default=d.batch_size, help="conversations per training step")
     p.add_argument("--lr", type=float, default=d.lr)
     p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
+    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft over the N most frequent answer tokens (0: the whole vocabulary)")
     p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on input features")
     p.add_argument("--cls-weight", type=float, default=d.cls_weight)
     p.add_argument("--clip", type=float, default=d.clip, help="gradient clipping by value")
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="stop cleanly after this long (rerun, with --resume once training started)")
     p.add_argument("--resume", action="store_true", help="continue training from --out/train_state.pt")
+    p.add_argument("--init", type=Path, default=d.init, help="start from this head's weights instead of a fresh head")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -363,6 +385,8 @@ def check_config(cfg: TrainConfig):
     for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "epochs", "batch_size", "save_every"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.draft_vocab < 0:
+        raise UsageError("--draft-vocab must be >= 0")
     if not 0 <= cfg.greedy_fraction <= 1 or not 0 < cfg.top_p <= 1 or cfg.temperature <= 0:
         raise UsageError("need 0 <= --greedy-fraction <= 1, 0 < --top-p <= 1 and --temperature > 0")
 
@@ -388,7 +412,9 @@ def run(cfg: TrainConfig) -> int:
         return 0
     if not convs:
         raise UsageError("no usable requests: pass --prompts FILE.jsonl")
-    train(cfg, target, add_features(target, convs, cfg.gen_batch), deadline)
+    draft_vocab = (count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
+                   if 0 < cfg.draft_vocab < target.args.vocab_size else torch.zeros(0, dtype=torch.long))
+    train(cfg, target, add_features(target, convs, cfg.gen_batch), draft_vocab, deadline)
     print(f"wrote {cfg.out / 'head'}", file=sys.stderr)
     return 0
 

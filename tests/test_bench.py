@@ -43,3 +43,20 @@ def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
 def test_bench_missing_prompts_is_one_line_error(tmp_path, capsys):
     assert bench.main(["--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert capsys.readouterr().err.strip().startswith("error: prompts file")
+
+
+def test_sweep_measures_trees_and_records_the_fastest(setup_dirs, tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    root, prompts = setup_dirs
+    out = tmp_path / "sweep.json"
+    argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--prompts", str(prompts), "--num-prompts", "2",
+            "--max-new-tokens", "8", "--sweep", "3", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    report = json.loads(out.read_text())
+    rows = list(report["modes"].values())
+    assert rows[0]["mode"] == "none" and len(rows) == 4 and all(r["spec"]["mode"] == "eagle2" for r in rows[1:])
+    fastest = max(rows[1:], key=lambda r: r["tokens_per_s"])["spec"]
+    assert report["best"] == fastest
+    cache = json.loads((tmp_path / "tree_sizes.json").read_text())
+    (entry,) = cache.values()
+    assert entry["swept"] == [fastest["num_draft_tokens"], fastest["depth"], fastest["topk"]]

@@ -65,6 +65,8 @@ BAD = [
     (["--temperature", "-0.5"], "--temperature"),
     (["--top-p", "0"], "--top-p"),
     (["--top-p", "1.5"], "--top-p"),
+    (["--speculate", "eagle2", "--draft-vocab", "-1"], "--draft-vocab"),
+    (["--speculate", "eagle2", "--num-draft-tokens", "60", "--depth", "2", "--topk", "4"], "exceeds"),
 ]
 
 

@@ -8,7 +8,8 @@ import pytest
 import torch
 
 import tree
-from draft import EagleHead
+import quantize
+from draft import EagleHead, use_draft_vocab
 from generate import Generator, Sampling, TreeSpec
 from model import causal_mask
 
@@ -53,6 +54,7 @@ def tiny(request, single_thread, tiny_args, random_model, random_head):
         prompt=prompt,
         ref=Generator(target).generate(prompt, NEW_TOKENS, GREEDY).token_ids,
         generator=lambda name: make_generator(target, SPECS[name], head, drafts.get(name)),
+        head=head,
     )
 
 
@@ -111,6 +113,52 @@ def test_metrics_count_what_the_cycles_committed(tiny, name):
     assert m["accept_len_hist"] == [sum(len(c) == a + 1 for c in cycle_chunks) for a in range(spec.depth + 1)]
     assert sum(m["accept_len_hist"]) == m["cycles"]
     assert m["mean_accept_len"] == pytest.approx((len(result.token_ids) - 1) / m["cycles"], abs=1e-4)
+
+
+# ---- a reduced draft vocabulary: drafts stay inside it, output stays exact ----
+
+def drafted_trees(gen, prompt):
+    trees = []
+    gen.generate(prompt, NEW_TOKENS, GREEDY, lap=lambda name, **t: name == "accept" and trees.append(t["tokens"][1:].tolist()))
+    return trees
+
+
+@pytest.mark.parametrize("name", ["eagle2-6-10-16", "eagle2-3-4-8", "eagle"])
+def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it(tiny, name):
+    vocab = torch.randperm(tiny.target.args.vocab_size, generator=torch.Generator().manual_seed(3))[:16]
+    head = copy.deepcopy(tiny.head)
+    head.draft_vocab = vocab
+    use_draft_vocab(head, tiny.target.output)
+    gen = Generator(tiny.target, SPECS[name], head=head)
+    assert gen.generate(tiny.prompt, NEW_TOKENS, GREEDY).token_ids == tiny.ref
+    drafted = {t for tree_tokens in drafted_trees(gen, tiny.prompt) for t in tree_tokens}
+    assert drafted and drafted <= set(vocab.tolist())
+
+
+@pytest.mark.parametrize("name", ["eagle2-6-10-16", "eagle"])
+def test_a_permuted_full_draft_vocabulary_drafts_the_same_trees(tiny, name):
+    # Every id goes through the draft-to-target map, so a wrong map changes the trees.
+    head = copy.deepcopy(tiny.head)
+    head.draft_vocab = torch.randperm(tiny.target.args.vocab_size, generator=torch.Generator().manual_seed(4))
+    use_draft_vocab(head, tiny.target.output)
+    full = drafted_trees(Generator(tiny.target, SPECS[name], head=tiny.head), tiny.prompt)
+    assert drafted_trees(Generator(tiny.target, SPECS[name], head=head), tiny.prompt) == full
+
+
+@pytest.mark.parametrize("mode", [None, "int8", "int4"])
+def test_draft_lm_head_is_the_targets_rows(tiny_args, random_model, random_head, mode):
+    target = random_model(tiny_args(), seed=0)
+    if mode:
+        target = quantize.quantize_model(target, mode, 32 if mode == "int4" else 0)
+    head = random_head(tiny_args(), seed=1)
+    head.draft_vocab = torch.tensor([5, 3, 60, 0])
+    use_draft_vocab(head, target.output, size=3)
+    assert head.draft_vocab.tolist() == [5, 3, 60] and type(head.lm_head) is type(target.output)
+    h = torch.randn(2, tiny_args().dim)
+    torch.testing.assert_close(head.logits(h, target.output), target.output(h)[:, [5, 3, 60]], atol=1e-4, rtol=1e-4)
+    assert head.target_ids(torch.tensor([2, 0])).tolist() == [60, 5]
+    use_draft_vocab(head, target.output, size=0)
+    assert head.lm_head is None and head.logits(h, target.output).shape == (2, tiny_args().vocab_size)
 
 
 # ---- fp32 greedy on the real default model (SmolLM2-135M-Instruct) with a random EAGLE head ----

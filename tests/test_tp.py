@@ -80,7 +80,8 @@ def test_tp_greedy_matches_single_process(dirs, capsys):
 
 def test_tp_eagle2_under_torchrun_matches_single_process(dirs, capsys):
     target, head = dirs
-    argv = ["--checkpoint", str(target), "--speculate", "eagle2", "--draft", str(head), *ARGV]
+    tree = ["--num-draft-tokens", "8", "--depth", "3", "--topk", "4"]
+    argv = ["--checkpoint", str(target), "--speculate", "eagle2", "--draft", str(head), *tree, *ARGV]
     reference = single_process(argv, capsys)
     assert reference["cycles"] > 0
     env = {**os.environ, "CUDA_VISIBLE_DEVICES": ""}
@@ -176,3 +177,17 @@ def test_world_size_one_leaves_model_untouched(tmp_path):
     assert all(a is b for a, b in zip(model.parameters(), tensors, strict=True))
     assert not any(m._forward_hooks or m._forward_pre_hooks for m in model.modules())
     assert model.layers[0].attention.n_head == TINY["n_head"]
+
+
+def test_tp_sizes_one_tree_for_all_ranks(dirs, capsys, tmp_path, monkeypatch):
+    # Each rank times its own forwards; rank 0's choice is broadcast, or the ranks would verify
+    # different trees and their collectives would disagree.
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    target, head = dirs
+    argv = ["--checkpoint", str(target), "--speculate", "eagle2", "--draft", str(head), *ARGV]
+    (p0, out0, err0), (p1, out1, err1) = two_ranks(argv)
+    assert p0.returncode == 0 and p1.returncode == 0, err0 + err1
+    assert json.loads(out0)["token_ids"] == single_process(["--checkpoint", str(target), *ARGV], capsys)["token_ids"]
+    assert "sizing the draft tree" in err0 and "sizing" not in err1
+    (entry,) = json.loads((tmp_path / "tree_sizes.json").read_text()).values()
+    assert set(entry) == {"decode_ms", "verify", "level"}

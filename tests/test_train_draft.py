@@ -104,3 +104,31 @@ def test_prompt_file(tmp_path):
     path.write_text('{"question": "x"}\n')
     with pytest.raises(train_draft.UsageError):
         train_draft.file_requests(path)
+
+
+def test_count_draft_vocab_ranks_answer_tokens_then_fills_by_id():
+    convs = [{"prompt_len": 2, "tokens": [9, 9, 7, 5, 7, 7]}, {"prompt_len": 1, "tokens": [8, 5, 3]}]
+    assert train_draft.count_draft_vocab(convs, 3, 10).tolist() == [7, 5, 3]  # counts 3, 2, then ties by id
+    assert train_draft.count_draft_vocab(convs, 6, 10).tolist() == [7, 5, 3, 0, 1, 2]  # prompt tokens 9, 8 not counted
+
+
+def test_reduced_draft_vocabulary_head(trained, tmp_path):
+    ckpt, out, _, _ = trained
+    for name in ("requests.jsonl", "conversations.jsonl"):  # the same data, no regeneration
+        (tmp_path / name).write_text((out / name).read_text())
+    argv = ["--checkpoint", str(ckpt), "--out", str(tmp_path), *TRAIN_ARGS, "--epochs", "2", "--draft-vocab", "48",
+            "--init", str(out / "head"), "--lr", "1e-5"]
+    assert train_draft.main(argv) == 0
+    first_loss = json.loads((tmp_path / "train_log.jsonl").read_text().splitlines()[0])["loss"]
+    log = [json.loads(line) for line in (out / "train_log.jsonl").read_text().splitlines()]
+    assert first_loss < log[0]["loss"] * 0.8  # --init started from the trained weights, not a fresh head
+    target, tok = load_model(ckpt), load_tokenizer(ckpt)
+    head = load_head(tmp_path / "head", target.args)
+    convs = [json.loads(line) for line in (tmp_path / "conversations.jsonl").read_text().splitlines()]
+    assert head.draft_vocab.tolist() == train_draft.count_draft_vocab(convs, 48, target.args.vocab_size).tolist()
+    assert json.loads((tmp_path / "head" / "config.json").read_text())["draft_vocab_size"] == 48
+    prompt = encode_prompt(tok, target.args, [{"role": "user", "content": "Explain"}], chat=True)
+    gen, trees = Generator(target, SPEC, head=head), []
+    result = gen.generate(prompt, 32, Sampling(), lap=lambda name, **t: name == "accept" and trees.append(t["tokens"][1:]))
+    assert result.token_ids == Generator(target).generate(prompt, 32, Sampling()).token_ids
+    assert set(torch.cat(trees).tolist()) <= set(head.draft_vocab.tolist())

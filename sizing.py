@@ -1,0 +1,161 @@
+# Draft tree sizes for the device. Verifying T tree tokens costs r(T) decode steps: about 1 up to T=64 on an
+# H100 (the weights are read once either way), about 2 at T=16 on a 2-core CPU (the matmuls turn
+# compute-bound). So we time r(T) and one draft level once per device, model and dtype (cached in
+# $EAGLET_CACHE/tree_sizes.json), and pick the (m, depth, k) with the most expected tokens per unit of time.
+#
+# Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
+# draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
+# probabilities, and a cycle commits 1 + the sum over its m nodes. The tree holds the m most valuable nodes.
+import heapq
+import json
+import os
+import time
+from itertools import product
+from pathlib import Path
+
+import torch
+
+import tp
+from model import causal_mask
+
+M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
+DEPTH_CHOICES = (2, 3, 4, 5, 6)
+TOPK_CHOICES = (4, 10)
+RANK_ACCEPT = 0.6  # a: about our SmolLM2 head's depth-1 acceptance; the paper's 7B heads reach 0.8
+CONTEXT = 256  # position the costs are measured at
+
+
+def expected_tau(m: int, depth: int, k: int, a: float = RANK_ACCEPT) -> float:
+    """1 + the m largest node values in the k-ary tree of the given depth (best-first: a child is never
+    worth more than its parent)."""
+    heap = [(-a * (1 - a) ** r, 1) for r in range(k)]
+    tau = 1.0
+    for _ in range(m):
+        neg, d = heapq.heappop(heap)
+        tau -= neg
+        if d < depth:
+            for r in range(k):
+                heapq.heappush(heap, (neg * a * (1 - a) ** r, d + 1))
+    return tau
+
+
+def cycle_cost(costs: dict, m: int, depth: int, k: int) -> float:
+    """A cycle in decode steps: the context pass over depth+1 rows, depth-1 expansions of k rows, the verify."""
+    level = costs["level"]
+    ctx = level["4"] + (level["10"] - level["4"]) * (depth + 1 - 4) / 6  # row costs are close to linear
+    return ctx + (depth - 1) * level[str(k)] + costs["verify"][str(m + 1)]
+
+
+def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT) -> list:
+    """(m, depth, k) options, keeping any that are given, best first by expected tokens per decode step of
+    time; m never exceeds the pool of k + (depth-1) k^2 candidates."""
+    grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_CHOICES)
+    options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k]
+    if not options:
+        raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}")
+    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o), o[0]))
+
+
+def _median_ms(fn, device, reps: int = 3) -> float:
+    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    fn()
+    times = []
+    for _ in range(reps):
+        sync()
+        t0 = time.perf_counter()
+        fn()
+        sync()
+        times.append(time.perf_counter() - t0)
+    return 1000 * sorted(times)[reps // 2]
+
+
+@torch.inference_mode()
+def measure_costs(target, head) -> dict:
+    """Verify costs r(T) for T = m+1, and draft level costs for 4 and 10 rows, in decode steps."""
+    device = target.tok_embeddings.weight.device
+    need = CONTEXT + max(M_CHOICES) + 1
+    if target.max_seq_length < need:
+        target.setup_caches(-(-need // 256) * 256)
+    head.setup_caches(target.max_seq_length, dtype=target.tok_embeddings.weight.dtype)
+
+    def target_pass(T):
+        pos = CONTEXT + torch.arange(T, device=device)
+        tokens = torch.zeros(1, T, dtype=torch.long, device=device)
+        return lambda: target(tokens, pos, pos, causal_mask(pos, target.max_seq_length))
+
+    def head_level(rows):
+        pos = CONTEXT + torch.arange(rows, device=device)
+        tokens = torch.zeros(rows, dtype=torch.long, device=device)
+        feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=target.tok_embeddings.weight.dtype)
+        mask = causal_mask(pos, head.max_seq_length)
+
+        def run():
+            h = head(target.tok_embeddings(tokens)[None], feats, pos, pos, mask)[0]
+            return torch.topk(torch.log_softmax(head.logits(h, target.output).float(), -1), min(rows, 10))
+
+        return run
+
+    step = _median_ms(target_pass(1), device, reps=5)
+    verify = [_median_ms(target_pass(m + 1), device) / step for m in M_CHOICES]
+    verify = [min(verify[i:]) for i in range(len(verify))]  # a longer pass never costs less: a dip later marks noise
+    return {"decode_ms": round(step, 3),
+            "verify": {str(m + 1): round(r, 3) for m, r in zip(M_CHOICES, verify)},
+            "level": {str(k): round(_median_ms(head_level(k), device) / step, 3) for k in (4, 10)}}
+
+
+def cache_key(target, head) -> str:
+    device = target.tok_embeddings.weight.device
+    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    a = target.args
+    quant = getattr(target.layers[0].feed_forward.w1, "mode", "float")
+    return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
+            f"x{a.intermediate_size}x{a.vocab_size}|draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}")
+
+
+def cache_path() -> Path:
+    return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / "tree_sizes.json"
+
+
+def _cache() -> dict:
+    path = cache_path()
+    return json.loads(path.read_text()) if path.exists() else {}
+
+
+def _store(key: str, entry: dict):
+    if tp.rank() != 0:
+        return
+    cache = _cache()
+    cache[key] = entry
+    path = cache_path()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(f".{os.getpid()}.tmp")
+    tmp.write_text(json.dumps(cache, indent=2) + "\n")
+    os.replace(tmp, path)  # readers never see a half-written file
+
+
+def device_costs(target, head, log=print) -> dict:
+    """The cached cost entry for this device, model and draft, measured now (seconds) if there is none.
+    Under tensor parallelism every rank measures together and rank 0's entry counts."""
+    key = cache_key(target, head)
+    entry = tp.from_rank0(_cache().get(key))
+    if entry is None:
+        if tp.rank() == 0:
+            log(f"sizing the draft tree for this device (once; cached in {cache_path()})")
+        entry = tp.from_rank0(measure_costs(target, head))
+        _store(key, entry)
+    return entry
+
+
+def record_sweep(target, head, best: tuple):
+    """bench.py --sweep's measured winner, which then replaces the cost model's choice."""
+    key = cache_key(target, head)
+    _store(key, _cache().get(key, {}) | {"swept": list(best)})
+
+
+def device_tree(target, head, m=None, depth=None, k=None, log=print) -> tuple:
+    """(m, depth, k) for this device: a --sweep result if there is one and nothing is given, else the cost
+    model's best around whatever is given."""
+    costs = device_costs(target, head, log)
+    if "swept" in costs and not (m or depth or k):
+        return tuple(costs["swept"])
+    return ranked_trees(costs, m, depth, k)[0]

@@ -1,0 +1,64 @@
+# Tree sizing for the device: the acceptance prior, the choice it makes on GPU-like and CPU-like costs,
+# and the measured costs cached once per device and model.
+import pytest
+import torch
+
+import sizing
+from generate import Generator, Sampling, TreeSpec
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def costs(verify, level4, level10):
+    return {"verify": {str(m + 1): verify(m + 1) for m in sizing.M_CHOICES}, "level": {"4": level4, "10": level10}}
+
+
+FLAT = costs(lambda T: 1.0 + T / 1000, 0.02, 0.02)  # an H100 on a small model: the tree is nearly free
+STEEP = costs(lambda T: 1.0 + T / 8, 0.15, 0.35)  # a 2-core CPU: a verify grows with its tokens
+
+
+@pytest.mark.parametrize("a", [0.3, 0.6, 0.9])
+def test_expected_tau_grows_with_the_tree_and_stays_bounded(a):
+    for depth in sizing.DEPTH_CHOICES:
+        taus = [sizing.expected_tau(m, depth, 10, a) for m in range(0, 61)]
+        assert taus[0] == 1.0 and all(x <= y + 1e-12 for x, y in zip(taus, taus[1:]))
+        assert taus[-1] <= 1 + depth  # each level's values sum to at most 1
+    assert sizing.expected_tau(1, 6, 10, a) == pytest.approx(1 + a)  # the draft's top-1 child
+
+
+def test_a_certain_draft_is_worth_one_token_per_level():
+    assert [sizing.expected_tau(m, 4, 10, a=1.0) for m in (1, 3, 4, 60)] == [2, 4, 5, 5]
+
+
+def test_free_verification_gets_the_largest_deepest_tree_and_costly_a_small_one():
+    m, depth, k = sizing.ranked_trees(FLAT)[0]
+    assert m == 60 and depth >= 5
+    m, depth, k = sizing.ranked_trees(STEEP)[0]
+    assert m <= 8 and depth <= 4
+
+
+def test_given_sizes_are_kept_and_the_pool_is_respected():
+    assert all(o[1] == 3 for o in sizing.ranked_trees(STEEP, depth=3))
+    assert all(o[0] <= o[2] + (o[1] - 1) * o[2] ** 2 for o in sizing.ranked_trees(FLAT))
+    with pytest.raises(ValueError, match="exceeds"):
+        sizing.ranked_trees(FLAT, m=60, depth=2, k=4)
+
+
+def test_device_tree_measures_once_then_reads_the_cache(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    logs = []
+    first = sizing.device_tree(target, head, log=logs.append)
+    assert len(logs) == 1 and (tmp_path / "tree_sizes.json").exists()
+    entry = sizing.device_costs(target, head)
+    assert set(entry["verify"]) == {str(m + 1) for m in sizing.M_CHOICES} and entry["decode_ms"] > 0
+    monkeypatch.setattr(sizing, "measure_costs", lambda *a: pytest.fail("measured twice"))
+    assert sizing.device_tree(target, head, log=logs.append) == first
+    assert sizing.device_tree(target, head, depth=2)[1] == 2
+    sizing.record_sweep(target, head, (4, 2, 4))
+    assert sizing.device_tree(target, head) == (4, 2, 4)
+    # The sized tree runs: a generator built from it reproduces vanilla decoding.
+    m, depth, k = first
+    prompt = list(range(5))
+    ref = Generator(target).generate(prompt, 20, Sampling()).token_ids
+    assert Generator(target, TreeSpec("eagle2", depth, k, m), head=head).generate(prompt, 20, Sampling()).token_ids == ref
