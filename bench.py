@@ -5,13 +5,17 @@ import json
 import resource
 import sys
 import time
+from dataclasses import replace
 from pathlib import Path
 
 import torch
 
 import generate
+import quantize
 import sizing
+from draft import EagleHead
 from generate import Generator, Sampling, TreeSpec, UsageError
+from model import ModelArgs, Transformer
 
 REPO = Path(__file__).resolve().parent
 MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench.jsonl"
@@ -84,11 +88,23 @@ def time_split(gen: Generator, tokenizer, margs, conversations, a, sampling) -> 
     return {k: round(1000 * v / max(cycles, 1), 3) for k, v in lap.totals.items() if k != "prefill"}
 
 
-def bench(a) -> dict:
-    ns = generate.build_parser().parse_args(["--speculate", "none"])
+def generate_args(a, mode: str):
+    """generate.py's arguments for one mode, from bench.py's."""
+    ns = generate.build_parser().parse_args(["--speculate", mode])
     for k in ("checkpoint", "draft", "draft_checkpoint", "device", "dtype", "compile", "temperature", "top_k", "top_p",
               "depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "max_new_tokens", "seed"):
         setattr(ns, k, getattr(a, k))
+    return ns
+
+
+def report(a, gen: Generator, conversations, modes: dict) -> dict:
+    return {"device": _device_name(gen.device), "dtype": str(gen.target.tok_embeddings.weight.dtype), "compile": a.compile,
+            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
+            "prompts": str(a.prompts), "num_conversations": len(conversations), "multi_turn": a.multi_turn, "modes": modes}
+
+
+def bench(a) -> dict:
+    ns = generate_args(a, "none")
     base, tokenizer, margs = generate.setup(ns)
     target = base.target
     conversations = load_conversations(a.prompts, a.num_prompts)
@@ -101,12 +117,22 @@ def bench(a) -> dict:
     if "none" in results:
         for row in results.values():
             row["speedup"] = round(row["tokens_per_s"] / results["none"]["tokens_per_s"], 3)
-    return {"device": _device_name(base.device), "dtype": str(target.tok_embeddings.weight.dtype), "compile": a.compile,
-            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
-            "prompts": str(a.prompts), "num_conversations": len(conversations), "multi_turn": a.multi_turn, "modes": results}
+    return report(a, base, conversations, results)
+
+
+def longest_context(tokenizer, margs, conversations, a) -> int:
+    """Tokens the longest conversation can reach: whole turns plus max_new_tokens per answer."""
+    def length(turns):
+        turns = turns if a.multi_turn else turns[:1]
+        messages = [{"role": "user", "content": t} for t in turns]
+        return len(generate.encode_prompt(tokenizer, margs, messages, chat=True)) + (a.max_new_tokens + 16) * len(turns)
+
+    return max(map(length, conversations))
 
 
 def _timed_row(mode: str, gen: Generator, tokenizer, margs, conversations, a, sampling) -> dict:
+    # Caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing.
+    gen.reserve(longest_context(tokenizer, margs, conversations, a))
     t0 = time.perf_counter()
     run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False)  # warm-up and compile
     warmup = time.perf_counter() - t0
@@ -127,11 +153,7 @@ def _timed_row(mode: str, gen: Generator, tokenizer, margs, conversations, a, sa
 def sweep(a) -> dict:
     """eagle2 over the --sweep best trees by the cost model (sizing.py), measured on the same prompts; the
     fastest is recorded as this device's default."""
-    ns = generate.build_parser().parse_args(["--speculate", "eagle2"])
-    for k in ("checkpoint", "draft", "device", "dtype", "compile", "temperature", "top_k", "top_p", "draft_vocab",
-              "max_new_tokens", "seed"):
-        setattr(ns, k, getattr(a, k))
-    base, tokenizer, margs = generate.setup(ns)
+    base, tokenizer, margs = generate.setup(generate_args(a, "eagle2"))
     target, head = base.target, base.head
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr))
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk)[: a.sweep]
@@ -146,10 +168,62 @@ def sweep(a) -> dict:
     sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")))
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
-    return {"device": _device_name(base.device), "dtype": str(target.tok_embeddings.weight.dtype), "compile": a.compile,
-            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens, "prompts": str(a.prompts),
-            "num_conversations": len(conversations), "multi_turn": a.multi_turn, "costs": costs, "best": best["spec"],
-            "modes": {"none": rows[0]} | {_shape(r["spec"]): r for r in rows[1:]}}
+    modes = {"none": rows[0]} | {_shape(r["spec"]): r for r in rows[1:]}
+    return report(a, base, conversations, modes) | {"costs": costs, "best": best["spec"]}
+
+
+# Named shapes for --random-shape: speed depends on shapes alone, so a GPU can time a 7B cycle without
+# its weights. The ModelArgs defaults are Llama-2-7B's.
+SHAPES = {
+    "llama-2-7b": ModelArgs(),
+    "llama-3-8b": ModelArgs(n_local_heads=8, intermediate_size=14336, vocab_size=128256, rope_base=500000.0, block_size=8192),
+    "smollm2-135m": ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152,
+                              rope_base=100000.0, block_size=8192, tie_embeddings=True),
+    "tiny": ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=320, block_size=2048),
+}
+
+
+@torch.inference_mode()
+def shape_bench(a) -> dict:
+    """Random weights of a named shape, a 512-token random prompt (gpt-fast's anchor position): the decode
+    step, one eagle2 cycle (its acceptance is meaningless, its time is not), their ratio, and the tokens/s
+    a head with τ = --assume-tau would give at that cycle time; plus the verify costs r(T) sizing.py uses."""
+    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    args = SHAPES[a.random_shape]
+    torch.manual_seed(a.seed)
+    with torch.device(device):
+        target = Transformer(args).to(dtype).eval()
+        head = EagleHead(replace(args, n_layer=1)).to(dtype).eval()
+    if a.quantize:
+        quantize.quantize_model(target, a.quantize, a.groupsize if a.quantize == "int4" else 0)
+    prompt = torch.randint(0, args.vocab_size, (512,), generator=torch.Generator().manual_seed(a.seed)).tolist()
+    spec = TreeSpec("eagle2", depth=a.depth or 6, topk=a.topk or 10, num_draft_tokens=a.num_draft_tokens or 60)
+    rows = {}
+    for mode, gen in (("none", Generator(target, compile=a.compile)), ("eagle2", Generator(target, spec, head, compile=a.compile))):
+        t0 = time.perf_counter()
+        gen.generate(prompt, a.max_new_tokens, Sampling())  # warm-up and compile
+        warmup = time.perf_counter() - t0
+        r = gen.generate(prompt, a.max_new_tokens, Sampling())
+        per_step = r.seconds / (r.cycles if mode == "eagle2" else len(r.token_ids))
+        rows[mode] = {"mode": mode, "tokens_per_s": round(len(r.token_ids) / r.seconds, 2), "step_ms": round(1000 * per_step, 3),
+                      "warmup_s": round(warmup, 2)}
+    cycle_ratio = rows["eagle2"]["step_ms"] / rows["none"]["step_ms"]
+    rows["eagle2"] |= {"spec": spec.__dict__, "cycle_over_decode_step": round(cycle_ratio, 3),
+                       "implied_tokens_per_s": round(a.assume_tau * 1000 / rows["eagle2"]["step_ms"], 1)}
+    return {"device": _device_name(device), "dtype": str(dtype), "compile": a.compile, "shape": a.random_shape,
+            "quantize": a.quantize, "assume_tau": a.assume_tau, "max_new_tokens": a.max_new_tokens,
+            "costs": sizing.measure_costs(target, head), "modes": rows}
+
+
+def print_shape_table(result: dict):
+    print(f"device {result['device']}, {result['dtype']}, compile {result['compile']}, random {result['shape']} weights"
+          f"{', ' + result['quantize'] if result['quantize'] else ''}, position 512")
+    none, eagle2 = result["modes"]["none"], result["modes"]["eagle2"]
+    print(f"decode step {none['step_ms']:.3f} ms ({none['tokens_per_s']:.1f} tokens/s); eagle2 {_shape(eagle2['spec'])} cycle "
+          f"{eagle2['step_ms']:.3f} ms = {eagle2['cycle_over_decode_step']:.2f} decode steps; at tau {result['assume_tau']}: "
+          f"{eagle2['implied_tokens_per_s']:.1f} tokens/s")
+    print("verify of T tokens / decode step: " + " ".join(f"T={t} {r}" for t, r in result["costs"]["verify"].items()))
 
 
 def _mode_generator(ns, target) -> Generator:
@@ -208,6 +282,11 @@ def main(argv=None) -> int:
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default")
+    p.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
+                   help="time the decode step and an eagle2 cycle on random weights of this shape (no checkpoint)")
+    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="with --random-shape: quantise the target")
+    p.add_argument("--groupsize", type=int, default=32, help="with --quantize int4")
+    p.add_argument("--assume-tau", type=float, default=4.7, help="with --random-shape: tau for the implied tokens/s (EAGLE-2 paper: 4.7)")
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
@@ -215,15 +294,15 @@ def main(argv=None) -> int:
             raise UsageError(f"prompts file {a.prompts} does not exist")
         if a.sweep < 0:
             raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
-        report = sweep(a) if a.sweep else bench(a)
+        result = shape_bench(a) if a.random_shape else sweep(a) if a.sweep else bench(a)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print_table(report)
+    (print_shape_table if a.random_shape else print_table)(result)
     if a.sweep:
-        print(f"best for {report['device']}: {_shape(report['best'])} (recorded in {sizing.cache_path()})")
+        print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {sizing.cache_path()})")
     if a.json_out:
-        a.json_out.write_text(json.dumps(report, indent=2) + "\n")
+        a.json_out.write_text(json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -60,3 +60,15 @@ def test_sweep_measures_trees_and_records_the_fastest(setup_dirs, tmp_path, monk
     cache = json.loads((tmp_path / "tree_sizes.json").read_text())
     (entry,) = cache.values()
     assert entry["swept"] == [fastest["num_draft_tokens"], fastest["depth"], fastest["topk"]]
+
+
+def test_random_shape_times_a_cycle_against_a_decode_step(tmp_path, capsys):
+    out = tmp_path / "shape.json"
+    assert bench.main(["--random-shape", "tiny", "--device", "cpu", "--max-new-tokens", "16", "--num-draft-tokens", "8",
+                       "--depth", "3", "--topk", "4", "--json-out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    none, eagle2 = result["modes"]["none"], result["modes"]["eagle2"]
+    assert eagle2["cycle_over_decode_step"] == pytest.approx(eagle2["step_ms"] / none["step_ms"], rel=1e-2)
+    assert eagle2["implied_tokens_per_s"] == pytest.approx(4.7 * 1000 / eagle2["step_ms"], rel=1e-2)
+    assert set(result["costs"]["verify"]) == {"3", "5", "7", "9", "13", "17", "25", "33", "49", "61"}
+    assert "decode step" in capsys.readouterr().out

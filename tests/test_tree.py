@@ -178,18 +178,11 @@ def check_values(r):
         assert min(v for v, p in at_level if p in chosen) >= max((v for v, p in at_level if p not in chosen), default=-inf)
 
 
-def test_grow_on_random_scores_expands_and_keeps_the_best_values_in_closed_trees():
-    rng, g = random.Random(0), torch.Generator().manual_seed(0)
+@pytest.mark.parametrize("ties", [False, True], ids=["distinct", "tied-and-zero-log-probs"])
+def test_grow_on_random_scores_expands_and_keeps_the_best_values_in_closed_trees(ties):
+    rng, g = random.Random(int(ties)), torch.Generator().manual_seed(int(ties))
     for _ in range(200):
-        r = random_grow(rng, g, ties=False)
-        check_grown_tree(r)
-        check_values(r)
-
-
-def test_grow_with_tied_and_zero_log_probs_stays_ancestor_closed():
-    rng, g = random.Random(1), torch.Generator().manual_seed(1)
-    for _ in range(200):
-        r = random_grow(rng, g, ties=True)
+        r = random_grow(rng, g, ties=ties)
         check_grown_tree(r)
         check_values(r)
 
