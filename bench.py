@@ -290,7 +290,7 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
-        if not a.prompts.exists():
+        if not a.random_shape and not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
         if a.sweep < 0:
             raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
