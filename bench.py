@@ -98,7 +98,7 @@ def generate_args(a, mode: str):
 
 
 def report(a, gen: Generator, conversations, modes: dict) -> dict:
-    return {"device": _device_name(gen.device), "dtype": str(gen.target.tok_embeddings.weight.dtype), "compile": a.compile,
+    return {"device": sizing.device_name(gen.device), "dtype": str(gen.target.tok_embeddings.weight.dtype), "compile": a.compile,
             "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
             "prompts": str(a.prompts), "num_conversations": len(conversations), "multi_turn": a.multi_turn, "modes": modes}
 
@@ -211,7 +211,7 @@ def shape_bench(a) -> dict:
     cycle_ratio = rows["eagle2"]["step_ms"] / rows["none"]["step_ms"]
     rows["eagle2"] |= {"spec": spec.__dict__, "cycle_over_decode_step": round(cycle_ratio, 3),
                        "implied_tokens_per_s": round(a.assume_tau * 1000 / rows["eagle2"]["step_ms"], 1)}
-    return {"device": _device_name(device), "dtype": str(dtype), "compile": a.compile, "shape": a.random_shape,
+    return {"device": sizing.device_name(device), "dtype": str(dtype), "compile": a.compile, "shape": a.random_shape,
             "quantize": a.quantize, "assume_tau": a.assume_tau, "max_new_tokens": a.max_new_tokens,
             "costs": sizing.measure_costs(target, head), "modes": rows}
 
@@ -231,12 +231,6 @@ def _mode_generator(ns, target) -> Generator:
     head, draft_model = generate.load_drafter(ns, target)
     spec = generate.make_spec(ns, target, head)
     return Generator(target, spec, head, draft_model, compile=ns.compile)
-
-
-def _device_name(device) -> str:
-    if device.type == "cuda":
-        return torch.cuda.get_device_name(device)
-    return f"cpu ({torch.get_num_threads()} threads)"
 
 
 def _shape(spec: dict) -> str:

@@ -103,9 +103,14 @@ def measure_costs(target, head) -> dict:
             "level": {str(k): round(_median_ms(head_level(k), device) / step, 3) for k in (4, 10)}}
 
 
+def device_name(device) -> str:
+    if device.type == "cuda":
+        return torch.cuda.get_device_name(device)
+    return f"cpu ({torch.get_num_threads()} threads)"
+
+
 def cache_key(target, head) -> str:
-    device = target.tok_embeddings.weight.device
-    name = torch.cuda.get_device_name(device) if device.type == "cuda" else f"cpu x{torch.get_num_threads()}"
+    name = device_name(target.tok_embeddings.weight.device)
     a = target.args
     quant = getattr(target.layers[0].feed_forward.w1, "mode", "float")
     return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
