@@ -8,9 +8,10 @@ from pathlib import Path
 import torch
 
 import generate
-import tree
+import spectree
 from bench import MT_BENCH, load_conversations
-from generate import Sampling, UsageError
+from generate import UsageError
+from sampling import Sampling
 
 
 class Calibration:
@@ -31,7 +32,7 @@ class Calibration:
     def add(self, tokens, parents, draws, scores):
         """One verified tree; scores are summed draft log-probs, so a node's confidence is
         exp(score - parent's score)."""
-        accepted = tree.accepted_nodes(tokens, parents, draws, self.depth)
+        accepted = spectree.accepted_nodes(tokens, parents, draws, self.depth)
         tested = accepted[parents]
         confidence = (scores - scores[parents]).exp()
         tested, accepted, confidence = tested[1:].cpu(), accepted[1:].cpu(), confidence[1:].double().cpu()  # the root is no draft

@@ -2,9 +2,9 @@
 #
 # One speculative cycle (eagle2), every shape fixed, one host sync at the end:
 #   draft_context  the head reads the pairs (target feature f_j, next token x_{j+1}) committed last cycle
-#   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (tree.py)
+#   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (spectree.py)
 #   verify         one target forward over [root] + m nodes
-#   commit         accept (tree.py), move the accepted KV rows into place, queue the next pairs
+#   commit         accept (spectree.py), move the accepted KV rows into place, queue the next pairs
 import argparse
 import json
 import sys
@@ -21,33 +21,21 @@ from torch import Tensor
 import quantize
 import sizing
 import tp
-import tree
+import spectree
 from draft import EagleHead, load_head, use_draft_vocab
 from model import ModelArgs, Transformer, causal_mask, load_state
+from sampling import Sampling, sample
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_HEAD = REPO / "heads" / "SmolLM2-135M-Instruct"
 MODES = ("none", "eagle2", "eagle", "sps")
-_depths = tree.static_tree()[1].tolist()
+_depths = spectree.static_tree()[1].tolist()
 STATIC_LEVELS = [sum(d < level for d in _depths) for level in range(max(_depths) + 2)]  # first node of each level
-STATIC_TOPK = max(p[-1] for p in tree.EAGLE1_TREE) + 1
+STATIC_TOPK = max(p[-1] for p in spectree.EAGLE1_TREE) + 1
 
 
 class UsageError(Exception):
     """Bad input: the CLI prints one line and exits with status 2."""
-
-
-@dataclass(frozen=True)
-class Sampling:
-    temperature: float = 0.0
-    top_k: int = 0
-    top_p: float = 1.0
-
-    def draw(self, logits: Tensor) -> Tensor:
-        return tree.draw(logits, self.temperature, self.top_k, self.top_p)
-
-    def probs(self, logits: Tensor) -> Tensor:
-        return tree.logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
 
 
 @dataclass(frozen=True)
@@ -62,11 +50,11 @@ class TreeSpec:
         """Draft KV slots for tree nodes, after the context slots."""
         if self.mode == "eagle2":
             return (self.depth - 1) * self.topk
-        return len(tree.EAGLE1_TREE) if self.mode == "eagle" else 0
+        return len(spectree.EAGLE1_TREE) if self.mode == "eagle" else 0
 
     @property
     def verify_len(self) -> int:
-        return {"eagle2": self.num_draft_tokens, "eagle": len(tree.EAGLE1_TREE), "sps": self.depth}[self.mode] + 1
+        return {"eagle2": self.num_draft_tokens, "eagle": len(spectree.EAGLE1_TREE), "sps": self.depth}[self.mode] + 1
 
 
 # ---------------------------------------------------------------- loading
@@ -137,10 +125,10 @@ class SpecState(nn.Module):
                                    ("pend_feat", (rows, dim), torch.float32)]:
             self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
         if spec.mode == "eagle":
-            parents, depths, ranks = tree.static_tree()
+            parents, depths, ranks = spectree.static_tree()
             self.register_buffer("static_parents", parents.to(device))
             self.register_buffer("static_ranks", ranks.to(device))
-            self.register_buffer("static_anc", tree.ancestor_mask(parents, spec.depth)[1:, 1:].to(device))
+            self.register_buffer("static_anc", spectree.ancestor_mask(parents, spec.depth)[1:, 1:].to(device))
         if spec.mode == "eagle2":
             self.register_buffer("scratch_eye", torch.eye(spec.scratch, dtype=torch.bool, device=device))
 
@@ -170,7 +158,7 @@ def scratch_mask(st: SpecState, head: EagleHead, anc: Tensor) -> Tensor:
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
-    Returns the tree's tokens, parents and scores (each node's summed draft log-probs). tree.grow sees
+    Returns the tree's tokens, parents and scores (each node's summed draft log-probs). spectree.grow sees
     draft-vocabulary ids; the head reads, and the tree holds, target ids."""
     k = spec.topk
     ctx = head.max_seq_length - spec.scratch
@@ -185,8 +173,8 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         return F.log_softmax(logits.float(), dim=-1)
 
     root_logp = F.log_softmax(head.logits(h_root, target.output).float(), dim=-1)
-    sel, pool_tok, pool_parent, pool_score = tree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
-    tokens, parents = tree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
+    sel, pool_tok, pool_parent, pool_score = spectree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
+    tokens, parents = spectree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
     return tokens, parents, F.pad(pool_score[sel], (1, 0))  # the root's score is 0
 
 
@@ -248,13 +236,13 @@ def tree_cycle(target: Transformer, head: EagleHead, st: SpecState, spec: TreeSp
     draft_tree = draft_dynamic if spec.mode == "eagle2" else draft_static
     tokens, parents, scores = draft_tree(target, head, st, spec, h_root)
     lap and lap("draft")
-    anc = tree.ancestor_mask(parents, spec.depth)
+    anc = spectree.ancestor_mask(parents, spec.depth)
     depths = anc.sum(-1) - 1
     lap and lap("tree")
     logits, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
     draws = sampling.draw(logits)
-    accept_len, path, bonus = tree.accept(tokens, parents, depths, draws, spec.depth)
+    accept_len, path, bonus = spectree.accept(tokens, parents, depths, draws, spec.depth)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
     lap and lap("accept", tokens=tokens, parents=parents, draws=draws, scores=scores)
     return out
@@ -275,7 +263,7 @@ def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec
             drafts.append(torch.argmax(logits))
         else:
             qs.append(sampling.probs(logits))
-            drafts.append(tree.sample(qs[-1]))
+            drafts.append(sample(qs[-1]))
     tokens = torch.cat([st.root, torch.stack(drafts)])
     lap and lap("draft")
     chain = torch.arange(k + 1, device=device)
@@ -284,9 +272,9 @@ def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec
     logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
     lap and lap("verify")
     if sampling.temperature == 0:
-        accept_len, path, bonus = tree.accept(tokens, parents, chain, logits.argmax(-1), k)
+        accept_len, path, bonus = spectree.accept(tokens, parents, chain, logits.argmax(-1), k)
     else:
-        accept_len, bonus = tree.accept_chain(tokens[1:], sampling.probs(logits), torch.stack(qs))
+        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(logits), torch.stack(qs))
         path = chain.clamp(max=accept_len)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
     lap and lap("accept")
@@ -323,9 +311,7 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
 
 
 def compiled(fn, **kw):
-    # Dynamo skips any module named "tree" (its skip list names the PyPI package dm-tree), which
-    # catches our tree.py too; dont_skip_tracing lifts that for the functions we compile.
-    return torch.compile(torch._dynamo.dont_skip_tracing(fn), fullgraph=True, **kw)
+    return torch.compile(fn, fullgraph=True, **kw)
 
 
 class Generator:
@@ -482,7 +468,7 @@ def make_spec(a, target: Transformer, head: Optional[EagleHead]) -> Optional[Tre
     if (a.topk or 10) > vocab:
         raise UsageError(f"--topk {a.topk} exceeds the draft vocabulary of {vocab}")
     if a.speculate == "eagle":
-        return TreeSpec("eagle", depth=max(len(p) for p in tree.EAGLE1_TREE), topk=10, num_draft_tokens=len(tree.EAGLE1_TREE))
+        return TreeSpec("eagle", depth=max(len(p) for p in spectree.EAGLE1_TREE), topk=10, num_draft_tokens=len(spectree.EAGLE1_TREE))
     m, depth, k = a.num_draft_tokens, a.depth, a.topk
     if m and depth and k:
         if m > k + (depth - 1) * k * k:

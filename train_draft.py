@@ -26,7 +26,7 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-import tree
+import sampling
 from draft import EagleHead, load_head, save_head
 from generate import UsageError, encode_prompt, load_model
 from model import Transformer, causal_mask
@@ -84,7 +84,7 @@ class TrainConfig:
 def draw_rows(logits: Tensor, temperature: Tensor, top_p: float) -> Tensor:
     """One token per row; temperature [B], 0 = greedy."""
     scaled = logits.float() / temperature.clamp(min=1e-5)[:, None]
-    sampled = tree.sample(tree.logits_to_probs(scaled, 1.0, 0, top_p))
+    sampled = sampling.sample(sampling.logits_to_probs(scaled, 1.0, 0, top_p))
     return torch.where(temperature == 0, logits.argmax(-1), sampled)
 
 

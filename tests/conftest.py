@@ -7,7 +7,8 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
-import tree  # noqa: E402
+import sampling  # noqa: E402
+import spectree  # noqa: E402
 from draft import EagleHead  # noqa: E402
 from model import ModelArgs, Transformer  # noqa: E402
 
@@ -80,13 +81,13 @@ def chi2_pvalue():
 
 
 def _accept_chain_replacing_from_p(draft_tokens, p, q):
-    """A deliberately broken tree.accept_chain: on rejection the replacement is drawn from p instead of
+    """A deliberately broken spectree.accept_chain: on rejection the replacement is drawn from p instead of
     norm(max(0, p - q)). The sampling tests must reject it."""
     k = draft_tokens.shape[0]
     px = p[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[:, None]).squeeze(-1)
     accept_len = (torch.rand_like(px) * qx < px).int().cumprod(0).sum()
-    return accept_len, tree.sample(p[accept_len])
+    return accept_len, sampling.sample(p[accept_len])
 
 
 @pytest.fixture(scope="session")

@@ -7,7 +7,8 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-import tree
+import sampling
+import spectree
 import quantize
 from draft import EagleHead, use_draft_vocab
 from generate import Generator, Sampling, TreeSpec
@@ -272,19 +273,19 @@ def test_speculative_sampling_follows_the_target_distribution(small_vocab, chi2_
 def fresh_bonus(monkeypatch):
     """Breaks tree verification: the bonus becomes a new draw from the processed target distribution
     at the deepest accepted node, instead of the draw that missed every child there."""
-    real_draw, real_accept = tree.draw, tree.accept
+    real_draw, real_accept = sampling.draw, spectree.accept
     last = {}
 
     def draw(logits, temperature, top_k=0, top_p=1.0):
-        last["probs"] = tree.logits_to_probs(logits, temperature, top_k, top_p)
+        last["probs"] = sampling.logits_to_probs(logits, temperature, top_k, top_p)
         return real_draw(logits, temperature, top_k, top_p)
 
     def accept(tokens, parents, depths, draws, depth):
         accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
-        return accept_len, path, tree.sample(last["probs"][path[-1]])
+        return accept_len, path, sampling.sample(last["probs"][path[-1]])
 
-    monkeypatch.setattr(tree, "draw", draw)
-    monkeypatch.setattr(tree, "accept", accept)
+    monkeypatch.setattr(sampling, "draw", draw)
+    monkeypatch.setattr(spectree, "accept", accept)
 
 
 @pytest.mark.parametrize("mode", ["eagle2", "eagle"])
@@ -294,6 +295,6 @@ def test_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fres
 
 
 def test_sampling_test_rejects_a_replacement_drawn_from_p(small_vocab, chi2_pvalue, monkeypatch, accept_chain_replacing_from_p):
-    monkeypatch.setattr(tree, "accept_chain", accept_chain_replacing_from_p)
+    monkeypatch.setattr(spectree, "accept_chain", accept_chain_replacing_from_p)
     counts, _ = sample_first_tokens(small_vocab.generator("sps"), T1)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3

@@ -1,8 +1,11 @@
 # Draft trees and their verification as pure tensor functions: tensors in, tensors out, fixed shapes,
 # no host syncs, nothing about models. A tree of n nodes is (tokens [n], parents [n], depths [n]) in
 # topological order, node 0 the root (its own parent, depth 0).
+# (Not named tree.py: Dynamo skips modules named like the PyPI package "tree", and compiled cycles call these.)
 import torch
 from torch import Tensor
+
+from sampling import sample
 
 # The EAGLE-1 static tree ("mc_sim_7b_63"): 25 draft nodes as paths of top-k ranks, 5 levels deep.
 EAGLE1_TREE = [
@@ -12,36 +15,6 @@ EAGLE1_TREE = [
     [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
     [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
 ]  # fmt: skip
-
-
-# ---- the target's sampling rule, shared by vanilla decoding and every verifier ----
-
-def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    logits = logits.float() / temperature
-    if top_k:
-        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
-        logits = logits.masked_fill(logits < kth, float("-inf"))
-    probs = torch.softmax(logits, dim=-1)
-    if top_p < 1.0:
-        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
-        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
-        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
-        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
-        probs = probs.masked_fill(drop, 0.0)
-        probs = probs / probs.sum(-1, keepdim=True)
-    return probs
-
-
-def sample(probs: Tensor) -> Tensor:
-    # The exponential race, argmax(p / Exp(1)), draws from p with no host sync.
-    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
-
-
-def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
-    """One token per row of logits: argmax at temperature 0, else a sample of the processed distribution."""
-    if temperature == 0:
-        return torch.argmax(logits, dim=-1)
-    return sample(logits_to_probs(logits, temperature, top_k, top_p))
 
 
 # ---- EAGLE-2 dynamic tree ----

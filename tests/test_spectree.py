@@ -4,7 +4,8 @@ from math import inf
 import pytest
 import torch
 
-import tree
+import sampling
+import spectree
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -54,12 +55,12 @@ def fig7_grow(calls):
         calls.append((level, tokens.tolist(), parent.tolist()))
         return torch.tensor([FIG7_ROWS[level, t] for t in tokens.tolist()]).log()
 
-    return tree.grow(torch.tensor(FIG7_ROOT).log(), step, k=2, depth=3, m=8)
+    return spectree.grow(torch.tensor(FIG7_ROOT).log(), step, k=2, depth=3, m=8)
 
 
 def fig7_tree():
     sel, pool_tok, pool_parent, _ = fig7_grow([])
-    return tree.tree_from_pool(sel, pool_tok, pool_parent, torch.tensor(9))
+    return spectree.tree_from_pool(sel, pool_tok, pool_parent, torch.tensor(9))
 
 
 def test_fig7_expands_the_top_k_nodes_by_value():
@@ -84,7 +85,7 @@ def test_fig7_tree_tokens_and_parents():
 
 def test_fig7_mask_marks_exactly_the_ancestors_and_positions_are_depths():
     _, parents = fig7_tree()
-    mask = tree.ancestor_mask(parents, 3)
+    mask = spectree.ancestor_mask(parents, 3)
     expected = torch.tensor([[j in row for j in range(9)] for row in FIG7_ANCESTORS])
     assert torch.equal(mask, expected)
     assert (mask.sum(-1) - 1).tolist() == [0, 1, 1, 2, 2, 2, 3, 3, 3]
@@ -92,8 +93,8 @@ def test_fig7_mask_marks_exactly_the_ancestors_and_positions_are_depths():
 
 def test_rerank_breaks_ties_toward_the_shallower_node():
     # Pool: A (-1), B (-5), then A's child with log-prob exactly 0, so it ties with A.
-    assert tree.rerank(torch.tensor([-1.0, -5.0, -1.0]), 1).tolist() == [0]
-    assert tree.rerank(torch.tensor([-1.0, -5.0, -1.0]), 2).tolist() == [0, 2]
+    assert spectree.rerank(torch.tensor([-1.0, -5.0, -1.0]), 1).tolist() == [0]
+    assert spectree.rerank(torch.tensor([-1.0, -5.0, -1.0]), 2).tolist() == [0, 2]
 
 
 # ---- EAGLE-2 properties on random draft scores ----
@@ -123,7 +124,7 @@ def random_grow(rng: random.Random, g: torch.Generator, ties: bool):
             rows.setdefault(p, logp())
         return torch.stack([rows[p] for p in paths])
 
-    sel, pool_tok, pool_parent, pool_score = tree.grow(rows[()], step, k, depth, m)
+    sel, pool_tok, pool_parent, pool_score = spectree.grow(rows[()], step, k, depth, m)
     return dict(k=k, depth=depth, m=m, rows=rows, expanded=expanded, sel=sel, pool_tok=pool_tok, pool_parent=pool_parent,
                 pool_score=pool_score)
 
@@ -151,7 +152,7 @@ def check_grown_tree(r):
     closed = set(s) | {-1}
     assert all(pool_parent[i].item() in closed for i in s)
 
-    tokens, parents = tree.tree_from_pool(sel, pool_tok, pool_parent, torch.tensor(0))
+    tokens, parents = spectree.tree_from_pool(sel, pool_tok, pool_parent, torch.tensor(0))
     p = parents.tolist()
     assert p[0] == 0 and all(p[i] < i for i in range(1, len(p)))
     assert torch.equal(tokens[1:], pool_tok[sel])
@@ -159,7 +160,7 @@ def check_grown_tree(r):
         want = pool_parent[s[i - 1]].item()
         assert (p[i] == 0) if want < 0 else (s[p[i] - 1] == want)
 
-    mask = tree.ancestor_mask(parents, r["depth"])
+    mask = spectree.ancestor_mask(parents, r["depth"])
     slow = torch.tensor([[j in slow_ancestors(p, i) for j in range(len(p))] for i in range(len(p))])
     assert torch.equal(mask, slow)
     paths = pool_paths(pool_tok, pool_parent)
@@ -190,16 +191,16 @@ def test_grow_on_random_scores_expands_and_keeps_the_best_values_in_closed_trees
 # ---- EAGLE-1 static tree ----
 
 def test_static_tree_matches_the_published_paths():
-    parents, depths, ranks = tree.static_tree()
+    parents, depths, ranks = spectree.static_tree()
     assert len(parents) == 26 and (depths == 1).sum() == 4 and depths.max() == 5
     paths = [()]
     for i in range(1, 26):
         assert parents[i] < i
         paths.append(paths[parents[i]] + (ranks[i].item(),))
-    assert set(paths[1:]) == {tuple(p) for p in tree.EAGLE1_TREE}
+    assert set(paths[1:]) == {tuple(p) for p in spectree.EAGLE1_TREE}
     assert paths[1:] == sorted(paths[1:], key=lambda p: (len(p), p))
     assert depths.tolist() == [len(p) for p in paths]
-    assert torch.equal(tree.ancestor_mask(parents, 5).sum(-1) - 1, depths)
+    assert torch.equal(spectree.ancestor_mask(parents, 5).sum(-1) - 1, depths)
 
 
 # ---- verification ----
@@ -213,7 +214,7 @@ ACC_DEPTHS = torch.tensor([0, 1, 1, 2, 2, 2, 3])
 
 
 def run_accept(draws):
-    accept_len, path, bonus = tree.accept(ACC_TOKENS, ACC_PARENTS, ACC_DEPTHS, torch.tensor(draws), 3)
+    accept_len, path, bonus = spectree.accept(ACC_TOKENS, ACC_PARENTS, ACC_DEPTHS, torch.tensor(draws), 3)
     return accept_len.item(), path.tolist(), bonus.item()
 
 
@@ -233,16 +234,16 @@ def test_accept_ignores_matches_below_a_rejected_parent():
 
 def test_accepted_nodes_are_the_matched_path_from_the_root():
     draws = torch.tensor([5, 4, 2, 8, 0, 0, 0])  # nodes 3 and 6 match their parents' draws, under the rejected node 1
-    assert tree.accepted_nodes(ACC_TOKENS, ACC_PARENTS, draws, 3).tolist() == [True, False, True, False, False, False, False]
+    assert spectree.accepted_nodes(ACC_TOKENS, ACC_PARENTS, draws, 3).tolist() == [True, False, True, False, False, False, False]
     draws = torch.tensor([3, 4, 0, 8, 0, 0, 2])
-    assert tree.accepted_nodes(ACC_TOKENS, ACC_PARENTS, draws, 3).tolist() == [True, True, False, True, False, False, True]
+    assert spectree.accepted_nodes(ACC_TOKENS, ACC_PARENTS, draws, 3).tolist() == [True, True, False, True, False, False, True]
 
 
 def test_accept_with_greedy_draws_takes_the_argmax_path():
     logits = torch.full((7, 10), -1.0)
     for node, tok in enumerate([3, 6, 7, 1, 0, 0, 0]):
         logits[node, tok] = 1.0
-    accept_len, path, bonus = tree.accept(ACC_TOKENS, ACC_PARENTS, ACC_DEPTHS, tree.draw(logits, 0.0), 3)
+    accept_len, path, bonus = spectree.accept(ACC_TOKENS, ACC_PARENTS, ACC_DEPTHS, sampling.draw(logits, 0.0), 3)
     assert (accept_len.item(), path.tolist(), bonus.item()) == (2, [0, 1, 4, 4], 0)
 
 
@@ -250,7 +251,7 @@ def test_accept_chain_keeps_tokens_the_target_agrees_with():
     one_hot = torch.eye(6)
     draft = torch.tensor([1, 2, 3])
     p = one_hot[[1, 2, 3, 5]]  # target agrees on every draft token, then wants 5
-    accept_len, bonus = tree.accept_chain(draft, p, one_hot[draft])
+    accept_len, bonus = spectree.accept_chain(draft, p, one_hot[draft])
     assert (accept_len.item(), bonus.item()) == (3, 5)
 
 
@@ -258,7 +259,7 @@ def test_accept_chain_rejects_a_token_the_target_never_picks():
     one_hot = torch.eye(6)
     draft = torch.tensor([1, 2, 3])
     p = one_hot[[4, 2, 3, 5]]
-    accept_len, bonus = tree.accept_chain(draft, p, one_hot[draft])
+    accept_len, bonus = spectree.accept_chain(draft, p, one_hot[draft])
     assert (accept_len.item(), bonus.item()) == (0, 4)
 
 
@@ -266,37 +267,37 @@ def test_accept_chain_rejects_a_token_the_target_never_picks():
 
 def test_top_k_keeps_exactly_k_tokens_in_softmax_proportion():
     logits = torch.tensor([0.3, 2.0, -1.0, 1.5, 0.9, -0.2, 1.1])
-    probs = tree.logits_to_probs(logits, 1.0, top_k=3)
+    probs = sampling.logits_to_probs(logits, 1.0, top_k=3)
     assert (probs > 0).nonzero().flatten().tolist() == [1, 3, 6]
     assert torch.allclose(probs[[1, 3, 6]], torch.softmax(logits[[1, 3, 6]], -1))
 
 
 def test_top_p_keeps_the_smallest_prefix_reaching_p():
     probs = torch.tensor([0.15, 0.5, 0.1, 0.25])
-    kept = lambda top_p: (tree.logits_to_probs(probs.log(), 1.0, top_p=top_p) > 0).nonzero().flatten().tolist()
+    kept = lambda top_p: (sampling.logits_to_probs(probs.log(), 1.0, top_p=top_p) > 0).nonzero().flatten().tolist()
     assert kept(0.4) == [1]
     assert kept(0.7) == [1, 3]
     assert kept(0.8) == [0, 1, 3]
     assert kept(0.95) == [0, 1, 2, 3]
-    assert torch.allclose(tree.logits_to_probs(probs.log(), 1.0, top_p=0.7), torch.tensor([0, 2 / 3, 0, 1 / 3]))
+    assert torch.allclose(sampling.logits_to_probs(probs.log(), 1.0, top_p=0.7), torch.tensor([0, 2 / 3, 0, 1 / 3]))
 
 
 def test_temperature_divides_the_logits():
     logits = torch.tensor([1.0, 0.0, -2.0])
     expected = torch.exp(logits / 0.5) / torch.exp(logits / 0.5).sum()
-    assert torch.allclose(tree.logits_to_probs(logits, 0.5), expected)
-    assert torch.allclose(tree.logits_to_probs(logits, 1.0), torch.softmax(logits, -1))
+    assert torch.allclose(sampling.logits_to_probs(logits, 0.5), expected)
+    assert torch.allclose(sampling.logits_to_probs(logits, 1.0), torch.softmax(logits, -1))
 
 
 def test_draw_at_temperature_zero_is_the_argmax():
     logits = torch.randn(50, 9, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(tree.draw(logits, 0.0), logits.argmax(-1))
+    assert torch.equal(sampling.draw(logits, 0.0), logits.argmax(-1))
 
 
 def test_sample_matches_its_distribution(chi2_pvalue):
     torch.manual_seed(0)
     p = torch.tensor([0.05, 0.1, 0.15, 0.2, 0.0, 0.5])
-    draws = tree.sample(p.expand(20000, -1))
+    draws = sampling.sample(p.expand(20000, -1))
     assert chi2_pvalue(torch.bincount(draws, minlength=6), p) > 1e-3
 
 
@@ -330,23 +331,23 @@ def toy_target():
 def first_two_tokens(accept_fn):
     torch.manual_seed(0)
     p0, p1, node_probs = toy_target()
-    draws = tree.sample(node_probs.expand(SAMPLES, -1, -1))
+    draws = sampling.sample(node_probs.expand(SAMPLES, -1, -1))
     batched = torch.vmap(accept_fn, in_dims=(None, None, None, 0, None), randomness="different")
     accept_len, path, bonus = batched(LL_TOKENS, LL_PARENTS, LL_DEPTHS, draws, 3)
     t1 = torch.where(accept_len >= 1, LL_TOKENS[path[:, 1]], bonus)
-    next_cycle = tree.sample(p1[t1])
+    next_cycle = sampling.sample(p1[t1])
     t2 = torch.where(accept_len >= 2, LL_TOKENS[path[:, 2]], torch.where(accept_len == 1, bonus, next_cycle))
     return torch.bincount(t1 * V + t2, minlength=V * V), (p0[:, None] * p1).flatten()
 
 
 def fresh_bonus_accept(tokens, parents, depths, draws, depth):
     """Broken: the bonus is a new draw at the deepest accepted node instead of the draw that missed."""
-    accept_len, path, _ = tree.accept(tokens, parents, depths, draws, depth)
-    return accept_len, path, tree.sample(toy_target()[2][path[-1]])
+    accept_len, path, _ = spectree.accept(tokens, parents, depths, draws, depth)
+    return accept_len, path, sampling.sample(toy_target()[2][path[-1]])
 
 
 def test_tree_accept_commits_the_target_distribution(chi2_pvalue):
-    counts, expected = first_two_tokens(tree.accept)
+    counts, expected = first_two_tokens(spectree.accept)
     assert chi2_pvalue(counts, expected) > 1e-3
 
 
@@ -365,14 +366,14 @@ def chain_case():
 def first_chain_token(accept_fn):
     torch.manual_seed(0)
     p, q = chain_case()
-    drafts = tree.sample(q.expand(SAMPLES, -1, -1))
+    drafts = sampling.sample(q.expand(SAMPLES, -1, -1))
     accept_len, bonus = torch.vmap(accept_fn, in_dims=(0, None, None), randomness="different")(drafts, p, q)
     first = torch.where(accept_len >= 1, drafts[:, 0], bonus)
     return torch.bincount(first, minlength=6), p[0]
 
 
 def test_accept_chain_commits_the_target_distribution(chi2_pvalue):
-    counts, expected = first_chain_token(tree.accept_chain)
+    counts, expected = first_chain_token(spectree.accept_chain)
     assert chi2_pvalue(counts, expected) > 1e-3
 
 

@@ -1,0 +1,47 @@
+# The target's sampling rule, shared by vanilla decoding, every verifier and the batched data sampler:
+# temperature, top-k and top-p, then one draw per row without a host sync.
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    logits = logits.float() / temperature
+    if top_k:
+        kth = torch.topk(logits, min(top_k, logits.shape[-1]), dim=-1).values[..., -1:]
+        logits = logits.masked_fill(logits < kth, float("-inf"))
+    probs = torch.softmax(logits, dim=-1)
+    if top_p < 1.0:
+        sorted_p, order = torch.sort(probs, dim=-1, descending=True)
+        # Keep the smallest prefix whose mass reaches top_p: drop a token once the mass before it does.
+        drop_sorted = (sorted_p.cumsum(-1) - sorted_p) >= top_p
+        drop = torch.zeros_like(drop_sorted).scatter(-1, order, drop_sorted)
+        probs = probs.masked_fill(drop, 0.0)
+        probs = probs / probs.sum(-1, keepdim=True)
+    return probs
+
+
+def sample(probs: Tensor) -> Tensor:
+    # The exponential race, argmax(p / Exp(1)), draws from p with no host sync.
+    return torch.argmax(probs / torch.empty_like(probs).exponential_(1), dim=-1)
+
+
+def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
+    """One token per row of logits: argmax at temperature 0, else a sample of the processed distribution."""
+    if temperature == 0:
+        return torch.argmax(logits, dim=-1)
+    return sample(logits_to_probs(logits, temperature, top_k, top_p))
+
+
+@dataclass(frozen=True)
+class Sampling:
+    temperature: float = 0.0  # 0 = greedy (argmax)
+    top_k: int = 0
+    top_p: float = 1.0
+
+    def draw(self, logits: Tensor) -> Tensor:
+        return draw(logits, self.temperature, self.top_k, self.top_p)
+
+    def probs(self, logits: Tensor) -> Tensor:
+        return logits_to_probs(logits, self.temperature, self.top_k, self.top_p)
