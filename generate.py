@@ -97,10 +97,11 @@ def ensure_caches(model: nn.Module, length: int, **kw):
 
 # ---------------------------------------------------------------- vanilla decoding
 
-def prefill(model: Transformer, prompt: Tensor) -> Tensor:
-    """prompt [1, T] -> post-norm features [T, dim]; fills KV slots [0, T)."""
+def prefill(model: Transformer, prompt: Tensor) -> tuple:
+    """prompt [1, T] -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV slots [0, T)."""
     pos = torch.arange(prompt.shape[1], device=prompt.device)
-    return model.features(prompt, pos, pos, causal_mask(pos, model.max_seq_length))[0]
+    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length))
+    return h[0], feat[0]
 
 
 def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
@@ -356,8 +357,8 @@ class Generator:
         sync()
         t0 = time.perf_counter()
         x = torch.tensor([prompt], device=self.device)
-        feats = self.prefill(self.target, x)
-        root = sampling.draw(self.target.output(feats[-1]))
+        h, feats = self.prefill(self.target, x)
+        root = sampling.draw(self.target.output(h[-1]))
         lap and lap("prefill")
         out = [int(root)]
         if on_tokens:

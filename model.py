@@ -204,6 +204,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_length = 0
+        self.taps = ()  # layers whose input states forward() returns as draft features (EAGLE-3); see hidden()
         self._register_load_state_dict_pre_hook(_fuse_qkv)
 
     def setup_caches(self, max_seq_length: int, batch: int = 1, dtype=None):
@@ -216,24 +217,39 @@ class Transformer(nn.Module):
             a.kv_cache = KVCache(batch, a.n_kv, max_seq_length, a.head_dim, dtype).to(device)
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(device), persistent=False)
 
-    def features(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
-        """Post-norm hidden states (what the LM head reads and EAGLE calls features).
+    def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> tuple:
+        """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads).
 
+        Draft features are the post-norm states themselves (EAGLE-1/2), or with self.taps set (EAGLE-3)
+        the hidden states entering those layers, concatenated [B, T, len(taps) * dim]: taken from the
+        forward that runs anyway, never from an extra pass.
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots;
         mask [T, S] or [B, T, S] bool over all S cache slots (True = may attend)."""
         x = self.tok_embeddings(idx)
-        return self.norm(self.run_layers(x, input_pos, cache_pos, mask))
-
-    def run_layers(self, x: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
         rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
-        for layer in self.layers:
+        entering = {}
+        for i, layer in enumerate(self.layers):
+            if i in self.taps:
+                entering[i] = x
             x = layer(x, rope, cache_pos, mask)
-        return x
+        h = self.norm(x)
+        return h, (torch.cat([entering[i] for i in self.taps], dim=-1) if self.taps else h)
+
+    def features(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        """Post-norm hidden states (what the LM head reads and EAGLE-1/2 heads call features)."""
+        return self.hidden(idx, input_pos, cache_pos, mask)[0]
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor):
-        h = self.features(idx, input_pos, cache_pos, mask)
-        return self.output(h), h
+        """-> (logits, draft features); see hidden()."""
+        h, feat = self.hidden(idx, input_pos, cache_pos, mask)
+        return self.output(h), feat
+
+
+def eagle3_taps(n_layer: int) -> tuple:
+    """The three layers whose inputs an EAGLE-3 head reads, low, middle and high: the official choice
+    (2, L//2, L-3), clamped for tiny test models (where a layer may then appear twice)."""
+    return (min(2, n_layer - 1), n_layer // 2, max(n_layer - 3, 0))
 
 
 def causal_mask(cache_pos: Tensor, max_seq_length: int) -> Tensor:
