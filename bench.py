@@ -15,17 +15,22 @@ import quantize
 import sizing
 from draft import EagleHead
 from generate import Generator, Sampling, TreeSpec, UsageError
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, one_line
 
 REPO = Path(__file__).resolve().parent
-MT_BENCH = REPO.parent / "shared" / "data" / "mt_bench.jsonl"
+MT_BENCH = REPO / "data" / "mt_bench.jsonl"
 
 
 def load_conversations(path, limit=None) -> list:
     """MT-bench format: one JSON object per line with `turns` (or a single `prompt`). A limit takes
     conversations spread evenly over the file, so a subset still spans every category."""
-    rows = [json.loads(line) for line in Path(path).read_text().splitlines() if line.strip()]
-    conversations = [r.get("turns") or [r["prompt"]] for r in rows]
+    try:
+        rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
+        conversations = [r.get("turns") or [r["prompt"]] for r in rows]
+    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
+        raise UsageError(f"prompts file {path}: not MT-bench-format UTF-8 jsonl ({type(e).__name__}: {one_line(e, 120)})") from None
+    if not conversations or not all(isinstance(t, str) and t for turns in conversations for t in turns):
+        raise UsageError(f"prompts file {path}: no conversations, or a turn that is not a non-empty string")
     return conversations[:: max(1, len(conversations) // limit)][:limit] if limit else conversations
 
 
@@ -257,7 +262,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft", type=Path, default=None)
     p.add_argument("--draft-checkpoint", type=Path, default=None)
     p.add_argument("--modes", default="none,eagle2", help="comma list of none, eagle2, eagle, sps")
-    p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl (default: ../shared/data/mt_bench.jsonl)")
+    p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl (default: data/mt_bench.jsonl, the 80 MT-bench questions)")
     p.add_argument("--num-prompts", type=int, default=None, help="a subset spread evenly over the file")
     p.add_argument("--multi-turn", action="store_true", help="continue each conversation through all its turns")
     p.add_argument("--max-new-tokens", type=int, default=128)
@@ -288,6 +293,10 @@ def main(argv=None) -> int:
             raise UsageError(f"prompts file {a.prompts} does not exist")
         if a.sweep < 0:
             raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
+        if a.num_prompts is not None and a.num_prompts < 1:
+            raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
+        for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads
+            generate.check_args(generate_args(a, mode))
         result = shape_bench(a) if a.random_shape else sweep(a) if a.sweep else bench(a)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

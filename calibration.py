@@ -114,7 +114,7 @@ def build_parser():
     p = generate._Parser(description="Draft confidence against acceptance rate (EAGLE-2 Figure 6), greedy.")
     p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
-    p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl, first turns (default: ../shared/data/mt_bench.jsonl)")
+    p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl, first turns (default: data/mt_bench.jsonl)")
     p.add_argument("--num-prompts", type=int, default=None)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--depth", type=int, default=6)

@@ -245,7 +245,12 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path} does not exist")
-    reader = gguf.GGUFReader(gguf_path)
+    # The reader memory-maps the file and trusts its offsets: a truncated file fails anywhere inside numpy.
+    unreadable = (ValueError, IndexError, KeyError, TypeError, EOFError)
+    try:
+        reader = gguf.GGUFReader(gguf_path)
+    except unreadable as e:
+        raise ValueError(f"{gguf_path} is truncated or not a GGUF file ({type(e).__name__}: {str(e)[:120]})") from None
 
     def meta(key, default=None):
         return reader.fields[key].contents() if key in reader.fields else default
@@ -260,7 +265,10 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
 
     state = {}
     for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", file=sys.stderr):
-        w = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 in nn.Linear's (out, in) layout
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 in nn.Linear's (out, in) layout
+        except unreadable as e:
+            raise ValueError(f"{gguf_path}: tensor {t.name} is truncated or malformed ({str(e)[:120]})") from None
         w = np.array(w, dtype=np.float32)  # a copy: F32 tensors come back as read-only memmaps
         state[rename(t.name, GGUF_TOP_NAMES, r"blk\.(\d+)\.(.+)", GGUF_LAYER_NAMES)] = torch.from_numpy(w)
     n_head, dim = meta("llama.attention.head_count"), meta("llama.embedding_length")

@@ -9,7 +9,7 @@ import torch.nn as nn
 from torch import Tensor
 
 import quantize
-from model import KVCache, ModelArgs, TransformerBlock, _fuse_qkv, load_state, rope_at, rope_table
+from model import KVCache, ModelArgs, TransformerBlock, _fuse_qkv, load_state, one_line, rope_at, rope_table
 
 
 class EagleHead(nn.Module):
@@ -56,14 +56,21 @@ def use_draft_vocab(head: EagleHead, target_output: nn.Module, size=None) -> Eag
     """Gives the head an LM head over the first `size` tokens of its draft vocabulary (default all of it;
     0: none, draft over the target's whole vocabulary). The rows are copied from the target's LM head,
     quantised the same way when it is."""
-    size = len(head.draft_vocab) if size is None else min(size, len(head.draft_vocab))
+    size = len(head.draft_vocab) if size is None else size
+    if size > len(head.draft_vocab) and len(head.draft_vocab):
+        raise ValueError(f"--draft-vocab {size} exceeds the head's draft vocabulary of {len(head.draft_vocab)}")
     head.lm_head = None
-    if size == 0:
+    if size == 0 or not len(head.draft_vocab):
         head.draft_vocab = head.draft_vocab[:0]
         return head
-    head.draft_vocab = head.draft_vocab[:size].contiguous()
-    if int(head.draft_vocab.max()) >= target_output.out_features:
-        raise ValueError(f"draft vocabulary has token ids past the target's {target_output.out_features}")
+    vocab = head.draft_vocab[:size].contiguous()
+    n = target_output.out_features
+    if int(vocab.min()) < 0 or int(vocab.max()) >= n:
+        raise ValueError(f"draft vocabulary has token ids outside the target's vocabulary [0, {n})")
+    if len(vocab.unique()) != len(vocab):
+        # Two siblings with one token would give that token two chances to be accepted: biased at T > 0.
+        raise ValueError(f"draft vocabulary repeats token ids ({len(vocab) - len(vocab.unique())} duplicates)")
+    head.draft_vocab = vocab
     float_w = target_output.dequantize(torch.float32) if isinstance(target_output, quantize.QuantLinear) else target_output.weight
     rows = nn.Linear(float_w.shape[1], size, bias=False, device=float_w.device, dtype=float_w.dtype)
     rows.weight.data.copy_(float_w[head.draft_vocab.to(float_w.device)])
@@ -100,10 +107,13 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"draft head {path} has no config.json (convert official heads with convert_hf_checkpoint.py --eagle)")
-    cfg = json.loads(cfg_path.read_text())
-    if cfg.get("kind") != "eagle":
-        raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle)")
-    args = ModelArgs.load(cfg_path)
+    try:
+        cfg = json.loads(cfg_path.read_text())
+        if cfg.get("kind") != "eagle":
+            raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle)")
+        args = ModelArgs.load(cfg_path)
+    except (ValueError, TypeError, AttributeError, KeyError) as e:
+        raise ValueError(f"{cfg_path}: {one_line(e)}") from None
     check_head_fits(args, target_args)
     files = sorted(path.glob("*.safetensors"))
     if not files:
@@ -111,5 +121,8 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
     with torch.device("meta"):
         head = EagleHead(args, fc_bias=cfg.get("fc_bias", True), draft_vocab_size=cfg.get("draft_vocab_size", 0))
     quantize.prepare(head, cfg)
-    head.load_state_dict(load_state(files[0]), assign=True)
+    try:
+        head.load_state_dict(load_state(files[0]), assign=True)
+    except RuntimeError as e:
+        raise ValueError(f"{files[0]} does not match its config.json: {one_line(e)}") from None
     return head.to(device=device, dtype=dtype)

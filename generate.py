@@ -9,6 +9,7 @@ import argparse
 import json
 import sys
 import time
+import types
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Optional
@@ -23,7 +24,7 @@ import sizing
 import tp
 import spectree
 from draft import EagleHead, load_head, use_draft_vocab
-from model import ModelArgs, Transformer, causal_mask, load_state
+from model import ModelArgs, Transformer, causal_mask, load_state, one_line
 from sampling import Sampling, sample
 
 REPO = Path(__file__).resolve().parent
@@ -68,20 +69,26 @@ def load_model(checkpoint, device="cpu", dtype=torch.float32) -> Transformer:
     weights = path / "model.safetensors"
     if not weights.exists():
         raise UsageError(f"{path} has no model.safetensors: convert it first with convert_hf_checkpoint.py")
-    args = ModelArgs.load(path / "config.json")
+    try:
+        args = ModelArgs.load(path / "config.json")
+    except (ValueError, TypeError, AttributeError) as e:
+        raise UsageError(f"{path / 'config.json'} is not a model config ({one_line(e)})") from None
     with torch.device("meta"):
         model = Transformer(args)
     try:
         quantize.prepare(model, json.loads((path / "config.json").read_text()))
     except ValueError as e:
         raise UsageError(f"{path / 'config.json'}: {e}") from None
-    state = load_state(weights)
+    try:
+        state = load_state(weights)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
     if args.tie_embeddings:
         state.setdefault("output.weight", state["tok_embeddings.weight"])
     try:
         model.load_state_dict(state, assign=True)
     except RuntimeError as e:
-        raise UsageError(f"{weights} does not match its config.json: {str(e).splitlines()[0]}") from None
+        raise UsageError(f"{weights} does not match its config.json: {one_line(e)}") from None
     model = model.to(device=device, dtype=dtype)
     if args.tie_embeddings:
         model.output.weight = model.tok_embeddings.weight
@@ -312,7 +319,11 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
 
 
 def compiled(fn, **kw):
-    return torch.compile(fn, fullgraph=True, **kw)
+    # Dynamo keeps its cache, and its recompile budget (8 variants), per code object. Every Generator
+    # compiles a copy of the step with a code object of its own, so a process that runs many tree shapes
+    # (bench --sweep, a test suite) never shares one budget across them; fullgraph would make the ninth a hard error.
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, fullgraph=True, **kw)
 
 
 class Generator:
@@ -349,6 +360,8 @@ class Generator:
     def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), on_tokens=None, lap=None) -> Result:
         """lap(name, **cycle_tensors): run the cycle eagerly and call lap at the end of each phase
         (bench.py's split); see tree_cycle for the tensors."""
+        if not prompt:
+            raise UsageError("the prompt is empty (no tokens to condition on)")
         if len(prompt) + max_new_tokens > self.target.args.block_size:
             raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
         self.reserve(len(prompt) + max_new_tokens)

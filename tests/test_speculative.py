@@ -298,3 +298,15 @@ def test_sampling_test_rejects_a_replacement_drawn_from_p(small_vocab, chi2_pval
     monkeypatch.setattr(spectree, "accept_chain", accept_chain_replacing_from_p)
     counts, _ = sample_first_tokens(small_vocab.generator("sps"), T1)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
+
+
+@pytest.mark.parametrize("vocab,message", [([5, 3, 5, 0], "repeats token ids"), ([5, 64, 0], "outside the target's vocabulary"),
+                                           ([5, -1, 0], "outside the target's vocabulary")])
+def test_a_draft_vocabulary_is_a_set_of_target_ids(tiny_args, random_model, random_head, vocab, message):
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    head.draft_vocab = torch.tensor(vocab)
+    with pytest.raises(ValueError, match=message):
+        use_draft_vocab(head, target.output)
+    head.draft_vocab = torch.tensor([5, 3, 60, 0])
+    with pytest.raises(ValueError, match="--draft-vocab 5 exceeds the head's draft vocabulary of 4"):
+        use_draft_vocab(head, target.output, size=5)
