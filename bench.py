@@ -13,6 +13,7 @@ import torch
 import generate
 import quantize
 import sizing
+import tp
 from draft import EagleHead
 from generate import Generator, Sampling, TreeSpec, UsageError
 from model import ModelArgs, Transformer, one_line
@@ -160,7 +161,8 @@ def sweep(a) -> dict:
     fastest is recorded as this device's default."""
     base, tokenizer, margs = generate.setup(generate_args(a, "eagle2"))
     target, head = base.target, base.head
-    costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr))
+    costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
+                                compile_fn=generate.sizing_compile(target) if a.compile else None)
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = Sampling(a.temperature, a.top_k, a.top_p)
@@ -170,7 +172,7 @@ def sweep(a) -> dict:
         rows.append(_timed_row("eagle2", gen, tokenizer, margs, conversations, a, sampling))
         rows[-1]["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
-    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")))
+    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile)
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     modes = {"none": rows[0]} | {_shape(r["spec"]): r for r in rows[1:]}
@@ -310,4 +312,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_with(main)

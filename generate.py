@@ -326,6 +326,13 @@ def compiled(fn, **kw):
     return torch.compile(own, fullgraph=True, **kw)
 
 
+def sizing_compile(target: Transformer):
+    """How sizing.py compiles the passes it times: as the Generator compiles its steps, with the number of
+    rows dynamic so one graph serves every tree size."""
+    mode = "reduce-overhead" if target.tok_embeddings.weight.device.type == "cuda" else None
+    return lambda fn: compiled(fn, dynamic=True, mode=mode)
+
+
 class Generator:
     """Owns the models, their caches and the (optionally compiled) step functions."""
 
@@ -489,7 +496,8 @@ def make_spec(a, target: Transformer, head: Optional[EagleHead]) -> Optional[Tre
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
-            m, depth, k = sizing.device_tree(target, head, m, depth, k, log=lambda s: print(s, file=sys.stderr))
+            m, depth, k = sizing.device_tree(target, head, m, depth, k, log=lambda s: print(s, file=sys.stderr),
+                                             compile_fn=sizing_compile(target) if a.compile else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
     return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m)
@@ -591,6 +599,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    status = main()
-    tp.destroy_dist()
-    sys.exit(status)
+    tp.exit_with(main)

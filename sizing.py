@@ -69,31 +69,41 @@ def _median_ms(fn, device, reps: int = 3) -> float:
     return 1000 * sorted(times)[reps // 2]
 
 
+def _target_pass(target, tokens, pos, mask):
+    return target(tokens, pos, pos, mask)
+
+
+def _head_level(target, head, tokens, feats, pos, mask):
+    h = head(target.tok_embeddings(tokens)[None], feats, pos, pos, mask)[0]
+    return torch.topk(torch.log_softmax(head.logits(h, target.output).float(), -1), min(tokens.shape[0], 10))
+
+
 @torch.inference_mode()
-def measure_costs(target, head) -> dict:
-    """Verify costs r(T) for T = m+1, and draft level costs for 4 and 10 rows, in decode steps."""
+def measure_costs(target, head, compile_fn=None) -> dict:
+    """Verify costs r(T) for T = m+1, and draft level costs for 4 and 10 rows, in decode steps.
+
+    compile_fn: how the generator will compile its steps (None: it runs them eagerly). The passes are timed
+    through it, so the costs are those of the steps that will run: eager timing on a GPU is launch-bound and
+    flat in T (it would always pick the largest tree), and compiling on a CPU removes per-op overhead."""
     device = target.tok_embeddings.weight.device
     need = CONTEXT + max(M_CHOICES) + 1
     if target.max_seq_length < need:
         target.setup_caches(-(-need // 256) * 256)
     head.setup_caches(target.max_seq_length, dtype=target.tok_embeddings.weight.dtype)
+    run_target, run_head = (compile_fn(_target_pass), compile_fn(_head_level)) if compile_fn else (_target_pass, _head_level)
 
     def target_pass(T):
         pos = CONTEXT + torch.arange(T, device=device)
         tokens = torch.zeros(1, T, dtype=torch.long, device=device)
-        return lambda: target(tokens, pos, pos, causal_mask(pos, target.max_seq_length))
+        mask = causal_mask(pos, target.max_seq_length)
+        return lambda: run_target(target, tokens, pos, mask)
 
     def head_level(rows):
         pos = CONTEXT + torch.arange(rows, device=device)
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
         feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=target.tok_embeddings.weight.dtype)
         mask = causal_mask(pos, head.max_seq_length)
-
-        def run():
-            h = head(target.tok_embeddings(tokens)[None], feats, pos, pos, mask)[0]
-            return torch.topk(torch.log_softmax(head.logits(h, target.output).float(), -1), min(rows, 10))
-
-        return run
+        return lambda: run_head(target, head, tokens, feats, pos, mask)
 
     step = _median_ms(target_pass(1), device, reps=5)
     verify = [_median_ms(target_pass(m + 1), device) / step for m in M_CHOICES]
@@ -109,12 +119,13 @@ def device_name(device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-def cache_key(target, head) -> str:
+def cache_key(target, head, compiled: bool = False) -> str:
     name = device_name(target.tok_embeddings.weight.device)
     a = target.args
     quant = getattr(target.layers[0].feed_forward.w1, "mode", "float")
     return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
-            f"x{a.intermediate_size}x{a.vocab_size}|draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}")
+            f"x{a.intermediate_size}x{a.vocab_size}|draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
+            + ("|compiled" if compiled else ""))
 
 
 def cache_path() -> Path:
@@ -138,29 +149,31 @@ def _store(key: str, entry: dict):
     os.replace(tmp, path)  # readers never see a half-written file
 
 
-def device_costs(target, head, log=print) -> dict:
-    """The cached cost entry for this device, model and draft, measured now (seconds) if there is none.
+def device_costs(target, head, log=print, compile_fn=None) -> dict:
+    """The cached cost entry for this device, model, draft and way of running the steps (eager or
+    compiled: measure_costs), measured now (seconds; a minute when compiling) if there is none.
     Under tensor parallelism every rank measures together and rank 0's entry counts."""
-    key = cache_key(target, head)
+    key = cache_key(target, head, compile_fn is not None)
     entry = tp.from_rank0(_cache().get(key))
     if entry is None:
         if tp.rank() == 0:
-            log(f"sizing the draft tree for this device (once; cached in {cache_path()})")
-        entry = tp.from_rank0(measure_costs(target, head))
+            how = "compiled steps" if compile_fn else "eager steps"
+            log(f"sizing the draft tree for this device from its {how} (once; cached in {cache_path()})")
+        entry = tp.from_rank0(measure_costs(target, head, compile_fn))
         _store(key, entry)
     return entry
 
 
-def record_sweep(target, head, best: tuple):
+def record_sweep(target, head, best: tuple, compiled: bool = False):
     """bench.py --sweep's measured winner, which then replaces the cost model's choice."""
-    key = cache_key(target, head)
+    key = cache_key(target, head, compiled)
     _store(key, _cache().get(key, {}) | {"swept": list(best)})
 
 
-def device_tree(target, head, m=None, depth=None, k=None, log=print) -> tuple:
+def device_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None) -> tuple:
     """(m, depth, k) for this device: a --sweep result if there is one and nothing is given, else the cost
     model's best around whatever is given."""
-    costs = device_costs(target, head, log)
+    costs = device_costs(target, head, log, compile_fn)
     if "swept" in costs and not (m or depth or k):
         return tuple(costs["swept"])
     return ranked_trees(costs, m, depth, k)[0]

@@ -3,6 +3,9 @@
 # layer outputs whole again. Embedding, norms and LM head stay replicated, so the post-norm features,
 # the logits and the EAGLE head (which reads all three) are the same on every rank.
 import os
+import sys
+import traceback
+from datetime import timedelta
 from typing import Optional
 
 import torch
@@ -46,9 +49,36 @@ def from_rank0(obj):
     return box[0]
 
 
-def destroy_dist():
-    if dist.is_initialized():
-        dist.destroy_process_group()
+def exit_with(main):
+    """sys.exit(main()), except that under tensor parallelism every way out leaves together: after a
+    status (success or a usage error, which every rank reaches alike) the ranks meet at a barrier, then
+    each destroys the group and leaves with os._exit; after an exception a rank leaves at once (torchrun
+    stops the others). Why: a live gloo group left to interpreter shutdown aborted a rank about one run
+    in thirty ("terminate called without an active exception", SIGABRT): its C++ threads and store were
+    torn down by static destructors while the peer rank still talked to them."""
+    try:
+        status = main()
+    except BaseException:
+        if not dist.is_initialized():
+            raise
+        traceback.print_exc()
+        status, meet = 1, False
+    else:
+        meet = True
+    if not dist.is_initialized():
+        sys.exit(status)
+    try:
+        if meet and dist.get_backend() == "gloo":
+            dist.monitored_barrier(timeout=timedelta(seconds=120))  # names a rank that never arrives
+        elif meet:
+            dist.barrier()
+    except RuntimeError as e:
+        print(f"error: {e}", file=sys.stderr)
+        status = status or 1
+    dist.destroy_process_group()
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(status)
 
 
 def check_shardable(model: nn.Module, world: int):

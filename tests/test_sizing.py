@@ -62,3 +62,29 @@ def test_device_tree_measures_once_then_reads_the_cache(tmp_path, monkeypatch, t
     prompt = list(range(5))
     ref = Generator(target).generate(prompt, 20, Sampling()).token_ids
     assert Generator(target, TreeSpec("eagle2", depth, k, m), head=head).generate(prompt, 20, Sampling()).token_ids == ref
+
+
+def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+    # Under --compile the timed passes go through the generator's own compile (dynamic rows: one graph per
+    # pass for every tree size), and the entry is cached apart from the eager one.
+    import generate
+
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    compiled_fns = []
+
+    def compile_fn(fn):
+        compiled_fns.append(fn.__name__)
+        return generate.sizing_compile(target)(fn)
+
+    torch._dynamo.reset()
+    tree = sizing.device_tree(target, head, compile_fn=compile_fn)
+    assert compiled_fns == ["_target_pass", "_head_level"]
+    keys = list(sizing._cache())
+    assert len(keys) == 1 and keys[0].endswith("|compiled")
+    sizing.device_tree(target, head)  # eager: a second entry
+    assert len(sizing._cache()) == 2
+    spec = TreeSpec("eagle2", tree[1], tree[2], tree[0])
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6]
+    assert Generator(target, spec, head=head, compile=True).generate(prompt, 12, Sampling()).token_ids == \
+        Generator(target).generate(prompt, 12, Sampling()).token_ids
