@@ -1,4 +1,5 @@
 import random
+import math
 from math import inf
 
 import pytest
@@ -380,3 +381,69 @@ def test_accept_chain_commits_the_target_distribution(chi2_pvalue):
 def test_accept_chain_test_rejects_a_replacement_drawn_from_p(chi2_pvalue, accept_chain_replacing_from_p):
     counts, expected = first_chain_token(accept_chain_replacing_from_p)
     assert chi2_pvalue(counts, expected) < 1e-3
+
+
+# ---- fuzz: grow + accept on thousands of random trees, extremes included ----
+
+def extreme_logp(g: torch.Generator, V: int, kind: int) -> torch.Tensor:
+    """0: ordinary; 1: all equal; 2: some -inf (tokens the draft rules out); 3: huge finite gaps; 4: one certain token."""
+    if kind == 1:
+        return torch.full((V,), -math.log(V))
+    if kind == 2:
+        x = torch.log_softmax(torch.randn(V, generator=g), -1)
+        return x.masked_fill(torch.rand(V, generator=g) < 0.5, -inf).clamp(max=0).nan_to_num(nan=-inf)
+    if kind == 3:
+        return -1e30 * torch.randint(0, 3, (V,), generator=g).float()
+    if kind == 4:
+        return torch.full((V,), -inf).index_fill(0, torch.randint(0, V, (1,), generator=g), 0.0)
+    return torch.log_softmax(3 * torch.randn(V, generator=g), -1)
+
+
+def slow_accept(tokens, parents, draws):
+    """The accepted path by walking the tree from the root: the child whose token is the draw at its parent."""
+    path, node = [0], 0
+    while True:
+        children = [c for c in range(1, len(parents)) if parents[c] == node and tokens[c] == draws[node]]
+        assert len(children) <= 1  # siblings of a top-k tree hold distinct tokens
+        if not children:
+            return path
+        node = children[0]
+        path.append(node)
+
+
+def test_fuzz_grow_and_accept_never_crash_stay_closed_and_accept_matching_paths():
+    rng, g = random.Random(7), torch.Generator().manual_seed(7)
+    for trial in range(3000):
+        V = rng.randint(2, 12)
+        k = rng.randint(1, min(V, 4))
+        depth = rng.randint(1, 5)
+        pool = k + (depth - 1) * k * k
+        m = pool if trial % 3 == 0 else rng.randint(1, pool)  # m at its maximum for the depth and k, often
+        kind = rng.randint(0, 4)
+        rows = {}
+
+        def step(level, tokens, parent):
+            return torch.stack([rows.setdefault((level, i), extreme_logp(g, V, kind)) for i in range(len(tokens))])
+
+        sel, pool_tok, pool_parent, pool_score = spectree.grow(extreme_logp(g, V, kind), step, k, depth, m)
+        assert len(sel) == m and not pool_score.isnan().any()
+        s = sel.tolist()
+        assert s == sorted(set(s)) and all(pool_parent[i].item() in set(s) | {-1} for i in s)  # ancestor-closed
+        tokens, parents = spectree.tree_from_pool(sel, pool_tok, pool_parent, torch.tensor(0))
+        anc = spectree.ancestor_mask(parents, depth)
+        depths = anc.sum(-1) - 1
+        p = parents.tolist()
+        assert all(p[i] < i for i in range(1, len(p))) and depths.max() <= depth
+        # draws: mostly a child's token, so paths go deep; sometimes any token
+        child_of = {}
+        for c in range(1, len(p)):
+            child_of.setdefault(p[c], []).append(c)
+        draws = torch.tensor([tokens[rng.choice(child_of[i])].item() if i in child_of and rng.random() < 0.8 else rng.randrange(V)
+                              for i in range(len(p))])
+        accept_len, path, bonus = spectree.accept(tokens, parents, depths, draws, depth)
+        want = slow_accept(tokens.tolist(), p, draws.tolist())
+        a = accept_len.item()
+        assert a == len(want) - 1
+        assert path.tolist() == want + [want[-1]] * (depth - a)
+        assert bonus.item() == draws[want[-1]].item()
+        assert all(tokens[n].item() == draws[p[n]].item() for n in want[1:])
