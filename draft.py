@@ -31,8 +31,8 @@ class EagleHead(nn.Module):
         self.max_seq_length = max_seq_length
         a = self.layers[0].attention
         a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(self.fc.weight.device)
-        # Heads use unscaled RoPE from their own config, sized by the target's context, not the
-        # head's max_position_embeddings (often 2048, shorter than the target).
+        # Heads use the RoPE of their own config (its scaling included), sized by the target's context,
+        # not the head's max_position_embeddings (often 2048, shorter than the target).
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(self.fc.weight.device), persistent=False)
 
     def logits(self, h: Tensor, target_output: nn.Module) -> Tensor:

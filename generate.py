@@ -19,17 +19,18 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import lookup
 import quantize
 import sizing
-import tp
 import spectree
+import tp
 from draft import EagleHead, load_head, use_draft_vocab
 from model import ModelArgs, Transformer, causal_mask, load_state, one_line
 from sampling import Sampling, sample
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_HEAD = REPO / "heads" / "SmolLM2-135M-Instruct"
-MODES = ("none", "eagle2", "eagle", "sps")
+MODES = ("none", "eagle2", "eagle", "sps", "lookup")
 _depths = spectree.static_tree()[1].tolist()
 STATIC_LEVELS = [sum(d < level for d in _depths) for level in range(max(_depths) + 2)]  # first node of each level
 STATIC_TOPK = max(p[-1] for p in spectree.EAGLE1_TREE) + 1
@@ -41,7 +42,7 @@ class UsageError(Exception):
 
 @dataclass(frozen=True)
 class TreeSpec:
-    mode: str = "eagle2"  # eagle2 (dynamic tree) | eagle (static tree) | sps (chain)
+    mode: str = "eagle2"  # eagle2 (dynamic tree) | eagle (static tree) | sps, lookup (chains)
     depth: int = 6  # draft levels: a cycle commits at most depth + 1 tokens
     topk: int = 10
     num_draft_tokens: int = 60  # m, tree nodes besides the root
@@ -55,7 +56,7 @@ class TreeSpec:
 
     @property
     def verify_len(self) -> int:
-        return {"eagle2": self.num_draft_tokens, "eagle": len(spectree.EAGLE1_TREE), "sps": self.depth}[self.mode] + 1
+        return {"eagle2": self.num_draft_tokens, "eagle": len(spectree.EAGLE1_TREE)}.get(self.mode, self.depth) + 1
 
 
 # ---------------------------------------------------------------- loading
@@ -123,7 +124,8 @@ class SpecState(nn.Module):
 
     L: committed tokens with target KV. root: the last committed token, in no cache yet.
     pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real.
-    prev: the token before root (sps: the draft model rereads it)."""
+    prev: the token before root (sps: the draft model rereads it).
+    history (lookup): every committed token at [0, L], root included; reserve() sizes it with the caches."""
 
     def __init__(self, spec: TreeSpec, dim: int, device):
         super().__init__()
@@ -231,6 +233,8 @@ def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonu
     st.pend_tok.copy_(nxt)
     st.n_pend.copy_(accept_len + 1)
     st.prev.copy_(tokens[path[-1:]])
+    if spec.mode == "lookup":
+        st.history.index_copy_(0, st.L + 1 + rows, nxt)  # rows past accept_len lie past the new root: overwritten later
     st.L.add_(accept_len + 1)
     st.root.copy_(bonus.view(1))
     return torch.cat([accept_len.view(1), nxt])
@@ -256,6 +260,22 @@ def tree_cycle(target: Transformer, head: EagleHead, st: SpecState, spec: TreeSp
     return out
 
 
+def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Tensor, sampling: Sampling, qs=None):
+    """Verify a chain [root, k drafts] and commit what it accepts. Drafts that are a function of the prefix
+    (greedy sps, lookup) take the tree rule, one target draw per node; sampled drafts with their
+    distributions qs take classic speculative sampling, min(1, p/q) and the residual."""
+    k = spec.depth
+    chain = torch.arange(k + 1, device=tokens.device)
+    parents = (chain - 1).clamp(min=0)
+    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
+    if qs is None:
+        accept_len, path, bonus = spectree.accept(tokens, parents, chain, sampling.draw(logits), k)
+    else:
+        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(logits), qs)
+        path = chain.clamp(max=accept_len)
+    return commit(target, st, spec, tokens, accept_len, path, bonus, h)
+
+
 def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
     """Classic speculative sampling: a small draft LLM proposes a chain of k tokens."""
     k, device = spec.depth, st.L.device
@@ -272,20 +292,18 @@ def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec
         else:
             qs.append(sampling.probs(logits))
             drafts.append(sample(qs[-1]))
-    tokens = torch.cat([st.root, torch.stack(drafts)])
     lap and lap("draft")
-    chain = torch.arange(k + 1, device=device)
-    parents = (chain - 1).clamp(min=0)
-    lap and lap("tree")
-    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
+    out = verify_chain(target, st, spec, torch.cat([st.root, torch.stack(drafts)]), sampling, torch.stack(qs) if qs else None)
     lap and lap("verify")
-    if sampling.temperature == 0:
-        accept_len, path, bonus = spectree.accept(tokens, parents, chain, logits.argmax(-1), k)
-    else:
-        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(logits), torch.stack(qs))
-        path = chain.clamp(max=accept_len)
-    out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
-    lap and lap("accept")
+    return out
+
+
+def lookup_cycle(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """Prompt lookup: the chain is what followed the last occurrence of the text's latest n-gram (lookup.py)."""
+    drafts = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
+    lap and lap("draft")
+    out = verify_chain(target, st, spec, torch.cat([st.root, drafts]), sampling)
+    lap and lap("verify")
     return out
 
 
@@ -344,7 +362,7 @@ class Generator:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
         self.state = SpecState(spec, target.args.dim, self.device) if spec else None
         self.prefill, self.decode_one = prefill, decode_one
-        self.cycle = self.eager_cycle = tree_cycle if spec and spec.mode != "sps" else sps_cycle
+        self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
         if compile:
             cuda = self.device.type == "cuda"
             mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
@@ -362,6 +380,8 @@ class Generator:
                 self.head.setup_caches(ctx + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
         if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:
             self.draft_model.setup_caches(self.target.max_seq_length)
+        if self.spec and self.spec.mode == "lookup" and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:
+            self.state.register_buffer("history", torch.zeros(self.target.max_seq_length, dtype=torch.long, device=self.device))
 
     @torch.inference_mode()
     def generate(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids=(), on_tokens=None, lap=None) -> Result:
@@ -420,6 +440,9 @@ class Generator:
         st.n_pend.fill_(1)
         st.pend_tok[0] = root
         st.pend_feat[0] = feats[-1].float()
+        if self.spec.mode == "lookup":
+            st.history[:T] = prompt[0]
+            st.history[T] = root
         if self.head is not None and T > 1:
             # The draft's context: feature f_j with token x_{j+1}; the last pair waits in pend_*.
             pos = torch.arange(T - 1, device=self.device)
@@ -452,7 +475,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
     p.add_argument("--depth", type=int, default=None, help="draft levels (eagle2 default: sized for the device; sps chain length)")
-    p.add_argument("--speculate-k", type=int, default=None, help="sps: draft chain length (default 4)")
+    p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
     p.add_argument("--topk", type=int, default=None, help="k: nodes expanded per level, children per node (default: sized for the device)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="m: tree nodes verified besides the root (default: sized for the device)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
@@ -483,8 +506,8 @@ def make_spec(a, target: Transformer, head: Optional[EagleHead]) -> Optional[Tre
     this device (sizing.py)."""
     if a.speculate == "none":
         return None
-    if a.speculate == "sps":
-        return TreeSpec("sps", depth=a.speculate_k or a.depth or 4, topk=1, num_draft_tokens=0)
+    if a.speculate in ("sps", "lookup"):
+        return TreeSpec(a.speculate, depth=a.speculate_k or a.depth or (4 if a.speculate == "sps" else 6), topk=1, num_draft_tokens=0)
     vocab = len(head.draft_vocab) or target.args.vocab_size
     if (a.topk or 10) > vocab:
         raise UsageError(f"--topk {a.topk} exceeds the draft vocabulary of {vocab}")
@@ -506,7 +529,7 @@ def make_spec(a, target: Transformer, head: Optional[EagleHead]) -> Optional[Tre
 def load_drafter(a, target: Transformer):
     """The EAGLE head or the sps draft LLM that --speculate needs, on the target's device and dtype."""
     device, dtype = target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype
-    if a.speculate == "none":
+    if a.speculate in ("none", "lookup"):
         return None, None
     if a.speculate == "sps":
         if a.draft_checkpoint is None:

@@ -15,7 +15,8 @@ def prompts(lengths):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8)], ids=["none", "eagle2"])
+@pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), TreeSpec("lookup", depth=4, topk=1, num_draft_tokens=0)],
+                         ids=["none", "eagle2", "lookup"])
 def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, random_head, single_thread, device, spec):
     args = tiny_args()
     target, head = random_model(args, seed=0).to(device), random_head(args, seed=1).to(device)

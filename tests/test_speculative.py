@@ -22,6 +22,8 @@ GREEDY = Sampling()
 def make_generator(target, spec, head=None, draft_model=None):
     if spec.mode == "sps":
         return Generator(target, spec, draft_model=draft_model)
+    if spec.mode == "lookup":
+        return Generator(target, spec)
     return Generator(target, spec, head=head)
 
 
@@ -35,6 +37,7 @@ SPECS = {
     "eagle": TreeSpec("eagle", 5, 10, 25),
     "sps-random": TreeSpec("sps", 4, 1, 0),
     "sps-self": TreeSpec("sps", 4, 1, 0),
+    "lookup": TreeSpec("lookup", 4, 1, 0),
 }
 VARIANTS = {
     "gqa": dict(n_head=4, n_local_heads=2),
@@ -207,6 +210,7 @@ SAMPLING_SPECS = {
     "eagle2": TreeSpec("eagle2", 3, 4, 10),
     "eagle": TreeSpec("eagle", 5, 10, 25),
     "sps": TreeSpec("sps", 2, 1, 0),
+    "lookup": TreeSpec("lookup", 2, 1, 0),
 }
 T1 = Sampling(1.0)
 
@@ -288,7 +292,7 @@ def fresh_bonus(monkeypatch):
     monkeypatch.setattr(spectree, "accept", accept)
 
 
-@pytest.mark.parametrize("mode", ["eagle2", "eagle"])
+@pytest.mark.parametrize("mode", ["eagle2", "eagle", "lookup"])
 def test_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fresh_bonus, mode):
     counts, _ = sample_first_tokens(small_vocab.generator(mode), T1)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
