@@ -224,13 +224,13 @@ def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, dept
 def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h):
     """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape;
     rows past accept_len are garbage beyond the new length) and queues their features for the draft."""
-    rows = torch.arange(spec.depth + 1, device=tokens.device)
+    rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
     for layer in target.layers:
         layer.attention.kv_cache.move(st.L + path, st.L + rows)
     nxt = torch.cat([tokens[path[1:]], bonus.view(1)])
     nxt = torch.where(rows == accept_len, bonus, nxt)
-    st.pend_feat.copy_(h[path])
-    st.pend_tok.copy_(nxt)
+    st.pend_feat[: rows.shape[0]].copy_(h[path])
+    st.pend_tok[: rows.shape[0]].copy_(nxt)
     st.n_pend.copy_(accept_len + 1)
     st.prev.copy_(tokens[path[-1:]])
     if spec.mode == "lookup":
@@ -264,7 +264,7 @@ def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Ten
     """Verify a chain [root, k drafts] and commit what it accepts. Drafts that are a function of the prefix
     (greedy sps, lookup) take the tree rule, one target draw per node; sampled drafts with their
     distributions qs take classic speculative sampling, min(1, p/q) and the residual."""
-    k = spec.depth
+    k = tokens.shape[0] - 1
     chain = torch.arange(k + 1, device=tokens.device)
     parents = (chain - 1).clamp(min=0)
     logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
@@ -298,13 +298,22 @@ def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec
     return out
 
 
-def lookup_cycle(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
-    """Prompt lookup: the chain is what followed the last occurrence of the text's latest n-gram (lookup.py)."""
-    drafts = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
+def lookup_cycle(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None, drafts: bool = True) -> Tensor:
+    """Prompt lookup: the chain is what followed the last occurrence of the text's latest n-gram (lookup.py).
+    Returns the commit's [accept_len, tokens] and whether the next cycle has a match: without one the
+    Generator runs this with drafts=False, a one-token verify (a plain decode step), instead of paying for
+    k drafts that would be rejected."""
+    chain, _ = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
     lap and lap("draft")
-    out = verify_chain(target, st, spec, torch.cat([st.root, drafts]), sampling)
+    out = verify_chain(target, st, spec, torch.cat([st.root, chain]) if drafts else st.root, sampling)
     lap and lap("verify")
-    return out
+    _, found = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
+    return torch.cat([out, found.view(1)])
+
+
+def lookup_step(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """lookup_cycle without drafts: what runs while the text has no n-gram to draft from."""
+    return lookup_cycle(target, _drafter, st, spec, sampling, lap, drafts=False)
 
 
 # ---------------------------------------------------------------- generation
@@ -363,12 +372,15 @@ class Generator:
         self.state = SpecState(spec, target.args.dim, self.device) if spec else None
         self.prefill, self.decode_one = prefill, decode_one
         self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
+        self.plain_cycle = lookup_step
         if compile:
             cuda = self.device.type == "cuda"
             mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, dynamic=True)
             self.decode_one = compiled(decode_one, mode=mode)
             self.cycle = compiled(self.cycle, mode=mode)
+            if spec and spec.mode == "lookup":
+                self.plain_cycle = compiled(lookup_step, mode=mode)
 
     def reserve(self, max_len: int):
         """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit."""
@@ -404,17 +416,20 @@ class Generator:
         if on_tokens:
             on_tokens(out[:])
         hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
-        cycles = 0
+        cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
         if self.spec:
             self._start(x, feats, root)
             lap and lap("prefill")
         while len(out) < max_new_tokens and out[-1] not in stop_ids:
             if self.spec:
                 drafter = self.head if self.head is not None else self.draft_model
+                cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
                 if lap:
-                    chunk = self.eager_cycle(self.target, drafter, self.state, self.spec, sampling, lap).tolist()
+                    chunk = eager_cycle(self.target, drafter, self.state, self.spec, sampling, lap).tolist()
                 else:
-                    chunk = self.cycle(self.target, drafter, self.state, self.spec, sampling).tolist()
+                    chunk = cycle(self.target, drafter, self.state, self.spec, sampling).tolist()
+                if self.spec.mode == "lookup":
+                    drafts = bool(chunk.pop())
                 accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
                 hist[accept_len] += 1
                 cycles += 1

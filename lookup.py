@@ -6,14 +6,15 @@ import torch
 from torch import Tensor
 
 
-def ngram_draft(history: Tensor, n_known: Tensor, k: int, max_ngram: int = 3) -> Tensor:
-    """k draft tokens continuing the longest (up to max_ngram), then most recent, earlier occurrence of the
-    text's last n tokens. history [S]: the tokens so far at [0, n_known), anything after; n_known 0-d.
-    Without a match the draft repeats the last token: any draft is lossless, it is just rejected."""
+def ngram_draft(history: Tensor, n_known: Tensor, k: int, max_ngram: int = 3, min_ngram: int = 2):
+    """k draft tokens continuing the longest (min_ngram to max_ngram), then most recent, earlier occurrence of
+    the text's last n tokens, and whether there was one. history [S]: the tokens so far at [0, n_known),
+    anything after; n_known 0-d. A single shared token predicts little, so matches start at 2-grams;
+    without a match the draft repeats the last token (any draft is lossless, it is just rejected)."""
     S = history.shape[0]
     idx = torch.arange(S, device=history.device)
     start = torch.full((), -1, dtype=torch.long, device=history.device)  # where the continuation begins
-    for n in range(1, max_ngram + 1):  # a longer match overrides a shorter one
+    for n in range(min_ngram, max_ngram + 1):  # a longer match overrides a shorter one
         suffix = history[(n_known - n + idx[:n]).clamp(min=0)]
         after = idx[: S - n + 1] + n  # the token after each window
         # after < n_known: the continuation's first token is known, and the suffix does not match itself
@@ -24,4 +25,4 @@ def ngram_draft(history: Tensor, n_known: Tensor, k: int, max_ngram: int = 3) ->
     # (a loop, which small models fall into), so the draft keeps the period instead of reading past the end.
     period = (n_known - start).clamp(min=1)
     pos = torch.where(start >= 0, start + idx[:k] % period, n_known - 1)
-    return history[pos.clamp(0, S - 1)]
+    return history[pos.clamp(0, S - 1)], start >= 0

@@ -4,9 +4,11 @@ import torch
 import lookup
 
 
-def draft(tokens, k=3, pad=4, max_ngram=3):
+def draft(tokens, k=3, pad=4, max_ngram=3, found=True):
     history = torch.tensor(tokens + [99] * pad)  # slots past the known tokens hold garbage
-    return lookup.ngram_draft(history, torch.tensor(len(tokens)), k, max_ngram).tolist()
+    drafts, hit = lookup.ngram_draft(history, torch.tensor(len(tokens)), k, max_ngram)
+    assert bool(hit) == found
+    return drafts.tolist()
 
 
 def test_continues_the_latest_match_of_the_longest_ngram():
@@ -24,10 +26,10 @@ def test_a_continuation_that_reaches_the_present_keeps_its_period():
 
 
 def test_without_a_match_the_draft_repeats_the_last_token():
-    assert draft([1, 2, 3, 4]) == [4, 4, 4]
-    assert draft([5]) == [5, 5, 5]
+    assert draft([1, 2, 3, 4], found=False) == [4, 4, 4]
+    assert draft([5], found=False) == [5, 5, 5]
+    assert draft([3, 1, 2, 3], found=False) == [3, 3, 3]  # a shared single token is no match
 
 
 def test_the_suffix_never_matches_itself():
-    # the only occurrence of "3 4" is the suffix: fall back to the 1-gram "4", which also occurs only there
-    assert draft([1, 2, 3, 4], max_ngram=2) == [4, 4, 4]
+    assert draft([1, 2, 3, 4], max_ngram=2, found=False) == [4, 4, 4]
