@@ -93,8 +93,8 @@ class Eagle3Head(DraftHead):
 
     def __init__(self, args: ModelArgs, draft_vocab_size: int, taps: tuple):
         super().__init__(args, draft_vocab_size)
-        self.taps = tuple(taps)
-        self.fc = nn.Linear(len(self.taps) * args.dim, args.dim, bias=False)
+        self.taps = tuple(taps)  # empty until known: load_head fills in the official layers of the target
+        self.fc = nn.Linear(3 * args.dim, args.dim, bias=False)
         self.layers = nn.ModuleList([Eagle3Block(args)])
         self.norm = RMSNorm(args.dim, args.norm_eps)
         self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False)
@@ -146,9 +146,9 @@ def save_head(head: DraftHead, out_dir):
     head.args.save(out_dir / "config.json")
     cfg = json.loads((out_dir / "config.json").read_text())
     cfg.update(kind=head.kind, draft_vocab_size=len(head.draft_vocab))
-    if head.kind == "eagle3":
+    if head.taps:
         cfg.update(taps=list(head.taps))
-    else:
+    if head.kind == "eagle":
         cfg.update(fc_bias=head.fc.bias is not None)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     own_lm_head = head.kind == "eagle3"  # an EAGLE-1/2 head's rows are the target's, copied at load time
@@ -176,7 +176,7 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
     args = ModelArgs.load(cfg_path)
     check_head_fits(args, target_args)
     taps = tuple(cfg.get("taps") or eagle3_taps(target_args.n_layer))  # official heads: the official layers
-    if kind == "eagle3" and not (len(taps) and all(0 <= t < target_args.n_layer for t in taps)):
+    if kind == "eagle3" and not (len(taps) == 3 and all(0 <= t < target_args.n_layer for t in taps)):
         raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
     files = sorted(path.glob("*.safetensors"))
     if not files:
