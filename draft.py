@@ -82,9 +82,10 @@ class Eagle3Block(nn.Module):
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
         self.feed_forward = FeedForward(args)
 
-    def forward(self, emb: Tensor, h: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, emb: Tensor, h: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
+        """attention(x, rope, cache_pos, mask): training swaps in its own (train_draft's unrolled steps)."""
         x = torch.cat([self.emb_norm(emb), self.hidden_norm(h)], dim=-1)
-        h = h + self.attention(x, rope, cache_pos, mask)
+        h = h + (attention or self.attention)(x, rope, cache_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 
