@@ -137,15 +137,10 @@ def write_hf_llama(
     return model
 
 
-def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, seed: int = 0, **config_overrides) -> dict:
-    """A random EAGLE-1/2 head in the official format for `target_hf_model`: config.json plus pytorch_model.bin, keys
-    without a `model.` prefix, HF rotate-half q/k rows. `config_overrides` (e.g. hidden_size=96) make heads that do
-    not fit. Returns the state dict written."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def official_head_config(target_hf_model, **fields) -> dict:
+    """An official head's config.json: the target's sizes, one layer; `fields` add to or override them."""
     t = target_hf_model.config
-    config = {
-        "architectures": ["LlamaForCausalLM"],
+    return {
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": t.hidden_size,
@@ -157,13 +152,25 @@ def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, se
         "rms_norm_eps": t.rms_norm_eps,
         "rope_theta": t.rope_parameters["rope_theta"],
         "vocab_size": t.vocab_size,
-        "bias": bias,
         "torch_dtype": "float32",
-        **config_overrides,
+        **fields,
     }
-    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
-    q_rows, kv_rows = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+
+
+def head_sizes(config: dict) -> tuple:
+    """(hidden, intermediate, vocabulary, q rows, k/v rows) of a head config."""
+    h, n_head = config["hidden_size"], config["num_attention_heads"]
+    return h, config["intermediate_size"], config["vocab_size"], h, config["num_key_value_heads"] * (h // n_head)
+
+
+def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, seed: int = 0, **config_overrides) -> dict:
+    """A random EAGLE-1/2 head in the official format for `target_hf_model`: config.json plus pytorch_model.bin, keys
+    without a `model.` prefix, HF rotate-half q/k rows. `config_overrides` (e.g. hidden_size=96) make heads that do
+    not fit. Returns the state dict written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = official_head_config(target_hf_model, architectures=["LlamaForCausalLM"], bias=bias, **config_overrides)
+    h, inter, vocab, q_rows, kv_rows = head_sizes(config)
     shapes = {
         "fc.weight": (h, 2 * h),
         "layers.0.self_attn.q_proj.weight": (q_rows, h),
@@ -194,27 +201,9 @@ def write_official_eagle3_head(out_dir, target_hf_model, *, draft_vocab_size: in
     `config_overrides` (hidden_size=96, vocab_size=321) make heads that do not fit. Returns the state dict written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
-    t = target_hf_model.config
-    config = {
-        "architectures": ["LlamaForCausalLMEagle3"],
-        "model_type": "llama",
-        "hidden_act": "silu",
-        "hidden_size": t.hidden_size,
-        "intermediate_size": t.intermediate_size,
-        "num_attention_heads": t.num_attention_heads,
-        "num_key_value_heads": t.num_key_value_heads,
-        "num_hidden_layers": 1,
-        "max_position_embeddings": t.max_position_embeddings,
-        "rms_norm_eps": t.rms_norm_eps,
-        "rope_theta": t.rope_parameters["rope_theta"],
-        "vocab_size": t.vocab_size,
-        "draft_vocab_size": draft_vocab_size,
-        "torch_dtype": "float32",
-        **config_overrides,
-    }
-    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
-    q_rows, kv_rows = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+    config = official_head_config(target_hf_model, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab_size,
+                                  **config_overrides)
+    h, inter, vocab, q_rows, kv_rows = head_sizes(config)
     shapes = {
         "fc.weight": (h, 3 * h),
         "midlayer.self_attn.q_proj.weight": (q_rows, 2 * h),
