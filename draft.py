@@ -176,9 +176,10 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
         raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle or kind=eagle3)")
     args = ModelArgs.load(cfg_path)
     check_head_fits(args, target_args)
-    taps = tuple(cfg.get("taps") or eagle3_taps(target_args.n_layer))  # official heads: the official layers
-    if kind == "eagle3" and not (len(taps) == 3 and all(0 <= t < target_args.n_layer for t in taps)):
-        raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
+    if kind == "eagle3":
+        taps = tuple(cfg.get("taps") or eagle3_taps(target_args.n_layer))  # converted without a target: the official layers
+        if not (len(taps) == 3 and all(0 <= t < target_args.n_layer for t in taps)):
+            raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"draft head {path} has no .safetensors weights")
