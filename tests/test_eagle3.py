@@ -1,7 +1,7 @@
 # EAGLE-3 heads: an official-format head converts and matches a reference written here from the description
 # (reference-notes 2.10-2.11), misfits are refused in one line, and with an EAGLE-3 head speculation stays
 # lossless: fp32 greedy equals vanilla, sampling follows the target's distribution, the compiled cycle runs.
-import copy
+import dataclasses
 import importlib.util
 import json
 import math
@@ -252,3 +252,15 @@ def test_eagle3_sampling_follows_the_target_distribution(small_vocab, chi2_pvalu
 def test_eagle3_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fresh_bonus):
     counts, _ = sample_first_tokens(small_vocab.generator(), T1)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
+
+
+def test_eagle3_head_taps_must_fit_the_target(hf_target, tmp_path):
+    hf_model, target_dir = hf_target
+    write_official_eagle3_head(tmp_path / "official", hf_model)
+    convert.convert_eagle(tmp_path / "official", tmp_path / "head", target_dir)  # taps [2, 2, 1] of 4 layers
+    args = generate.load_model(target_dir).args
+    with pytest.raises(ValueError, match=r"taps \[2, 2, 1\] do not fit the target's 2 layers"):
+        draft.load_head(tmp_path / "head", dataclasses.replace(args, n_layer=2))
+    convert.convert_eagle(tmp_path / "official", tmp_path / "untapped")  # no target: the target's official layers at load
+    assert "taps" not in json.loads((tmp_path / "untapped" / "config.json").read_text())
+    assert draft.load_head(tmp_path / "untapped", dataclasses.replace(args, n_layer=30)).taps == (2, 15, 27)
