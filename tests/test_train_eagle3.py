@@ -11,7 +11,7 @@ import torch.nn.functional as F
 import train_draft
 from draft import Eagle3Head, load_head
 from generate import Generator, Sampling, TreeSpec, acceptance_metrics, encode_prompt, load_model
-from model import ModelArgs, causal_mask, eagle3_taps
+from model import causal_mask, eagle3_taps
 from test_train_draft import TRAIN_ARGS, write_tiny_checkpoint
 from tokenizer import load_tokenizer
 
