@@ -1,4 +1,4 @@
-# Converts HF LLaMA-architecture checkpoints, llama.cpp GGUF files and official EAGLE-1/2 heads into our
+# Converts HF LLaMA-architecture checkpoints, llama.cpp GGUF files and official EAGLE-1/2/3 heads into our
 # layout: one directory with model.safetensors (our names, fused wqkv, q/k rows in the interleaved RoPE
 # layout), config.json (ModelArgs, chat family, stop tokens, BOS) and the tokenizer files.
 import argparse
@@ -17,8 +17,8 @@ import torch
 from tqdm import tqdm
 
 import tokenizer as tok
-from draft import EagleHead, check_head_fits, save_head
-from model import ModelArgs, Transformer, load_state, rope_frequencies
+from draft import Eagle3Head, EagleHead, check_head_fits, save_head
+from model import ModelArgs, Transformer, eagle3_taps, load_state, rope_frequencies
 
 HF_TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -54,6 +54,10 @@ GGUF_LAYER_NAMES = {
 }
 EAGLE_TOP_NAMES = {"fc.weight": "fc.weight", "fc.bias": "fc.bias"}
 EAGLE_LAYER_NAMES = {k: v for k, v in HF_LAYER_NAMES.items() if k != "input_layernorm.weight"}
+EAGLE3_NAMES = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head.weight": "lm_head.weight",
+                "midlayer.hidden_norm.weight": "layers.0.hidden_norm.weight",
+                "midlayer.input_layernorm.weight": "layers.0.emb_norm.weight",  # the official name; it norms the embedding
+                **{"midlayer." + k: "layers.0." + v for k, v in EAGLE_LAYER_NAMES.items()}}
 
 TOKENIZER_FILES = ["tokenizer.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model", "chat_template.jinja"]
@@ -303,24 +307,67 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
     return args
 
 
-# ---------------------------------------------------------------- official EAGLE-1/2 heads
+# ---------------------------------------------------------------- official EAGLE heads
 
 def convert_eagle(head_dir, out_dir, target_dir=None) -> ModelArgs:
-    """An official EAGLE-1/2 head (config.json + pytorch_model.bin or model.safetensors) -> a draft.load_head directory."""
+    """An official EAGLE-1/2 or EAGLE-3 head (config.json + pytorch_model.bin or model.safetensors) -> a
+    draft.load_head directory. With target_dir (our converted target) the head must fit it."""
     head_dir, out_dir = Path(head_dir), Path(out_dir)
     config = read_json(head_dir / "config.json")
     raw = {k.removeprefix("model."): w for k, w in read_weights(head_dir).items() if not is_rotary_buffer(k)}
-    if "d2t" in raw or any(k.startswith("midlayer.") for k in raw):
-        raise ValueError(f"{head_dir} is an EAGLE-3 head (midlayer.*, d2t): EAGLE-3 heads are not supported")
     args = args_from_hf(config, head_dir / "config.json")
-    if target_dir is not None:
-        check_head_fits(args, ModelArgs.load(Path(target_dir) / "config.json"))
+    target = ModelArgs.load(Path(target_dir) / "config.json") if target_dir is not None else None
+    if target is not None:
+        check_head_fits(args, target)
     raw.pop("embed_tokens.weight", None)  # a copy of the target's embedding, which the head shares instead
+    if "d2t" in raw or any(k.startswith("midlayer.") for k in raw):
+        return convert_eagle3(config, raw, out_dir, args, target)
 
     state = {rename(k, EAGLE_TOP_NAMES, r"layers\.(\d+)\.(.+)", EAGLE_LAYER_NAMES): w for k, w in raw.items()}
     fuse_qkv(state, args, 1, interleave=True)
     with torch.device("meta"):
         head = EagleHead(args, fc_bias="fc.bias" in state)  # the key decides: configs often omit "bias"
+    check_fits(state, head)
+    head.load_state_dict(state, assign=True)
+    save_head(head, out_dir)
+    return args
+
+
+def eagle3_draft_vocab(raw: dict, draft_size: int, vocab_size: int) -> torch.Tensor:
+    """The target id of each draft id: d + d2t[d] (no d2t: the draft vocabulary is the target's), checked
+    against the t2d mask when there is one."""
+    d2t, t2d = raw.pop("d2t", None), raw.pop("t2d", None)
+    ids = torch.arange(draft_size)
+    if d2t is not None:
+        if d2t.shape != (draft_size,):
+            raise ValueError(f"d2t has shape {tuple(d2t.shape)}, draft_vocab_size {draft_size} implies ({draft_size},)")
+        ids = ids + d2t.long()
+    if len(ids) and (int(ids.min()) < 0 or int(ids.max()) >= vocab_size or len(ids.unique()) != len(ids)):
+        raise ValueError(f"d2t maps draft ids outside the vocabulary of {vocab_size} or onto one id twice")
+    if t2d is not None:
+        if t2d.shape != (vocab_size,):
+            raise ValueError(f"t2d has {t2d.numel()} entries, the head's vocabulary {vocab_size}")
+        if int(t2d.bool().sum()) != draft_size or not bool(t2d.bool()[ids].all()):
+            raise ValueError("t2d does not mark the target ids that d2t maps to")
+    return ids
+
+
+def convert_eagle3(config: dict, raw: dict, out_dir: Path, args: ModelArgs, target: Optional[ModelArgs]) -> ModelArgs:
+    """The official EAGLE-3 head layout -> ours: midlayer -> layers.0, q/k rows interleaved, d2t offsets
+    -> draft_vocab (target ids), the taps of the target when known (else load_head picks the official ones)."""
+    fused_dim = config.get("target_hidden_size") or args.dim
+    if fused_dim != args.dim:  # the embedding is the target's, so the head must be as wide as the target
+        raise ValueError(f"EAGLE-3 head hidden size {args.dim} differs from its target_hidden_size {fused_dim}: not supported")
+    draft_size = config.get("draft_vocab_size") or args.vocab_size
+    unknown = sorted(k for k in raw if k not in EAGLE3_NAMES and k not in ("d2t", "t2d"))
+    if unknown:
+        raise ValueError(f"unexpected tensor {unknown[0]!r}: not an EAGLE-3 head")
+    draft_vocab = eagle3_draft_vocab(raw, draft_size, args.vocab_size)
+    state = {EAGLE3_NAMES[k]: w for k, w in raw.items()}
+    fuse_qkv(state, args, 1, interleave=True)
+    state["draft_vocab"] = draft_vocab
+    with torch.device("meta"):
+        head = Eagle3Head(args, draft_size, eagle3_taps(target.n_layer) if target else ())
     check_fits(state, head)
     head.load_state_dict(state, assign=True)
     save_head(head, out_dir)
@@ -369,12 +416,12 @@ def default_checkpoint() -> Path:
 # ---------------------------------------------------------------- CLI
 
 def main(argv=None) -> int:
-    parser = argparse.ArgumentParser(description="Convert an HF LLaMA checkpoint, a GGUF file or an EAGLE-1/2 head.")
+    parser = argparse.ArgumentParser(description="Convert an HF LLaMA checkpoint, a GGUF file or an official EAGLE-1/2/3 head.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint-dir", type=Path, help="HF directory: config.json, weights, tokenizer")
     source.add_argument("--gguf", type=Path, help="llama.cpp GGUF file of a llama-architecture model")
     source.add_argument("--repo-id", help="HF hub repository to download and convert")
-    parser.add_argument("--eagle", action="store_true", help="the source is an official EAGLE-1/2 draft head")
+    parser.add_argument("--eagle", action="store_true", help="the source is an official EAGLE-1/2 or EAGLE-3 draft head")
     parser.add_argument("--target", type=Path, help="with --eagle: our converted target, which the head must fit")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
     a = parser.parse_args(argv)

@@ -1,6 +1,10 @@
-# The EAGLE-1/2 draft head: fc over [token embedding; target feature], then one decoder layer without
-# the input norm. It has no embedding, final norm or LM head of its own: the caller embeds tokens and
-# reads logits with the target's tensors, so they are shared, never copied.
+# The draft heads. EAGLE-1/2 (kind "eagle"): fc over [token embedding; target feature], then one decoder
+# layer without the input norm; no embedding, final norm or LM head of its own: the caller embeds tokens
+# and reads logits with the target's tensors, so they are shared, never copied.
+# EAGLE-3 (kind "eagle3"): fc maps the target's fused features (the states entering three layers, 3*dim)
+# to dim; one decoder layer whose attention reads [norm(token embedding); norm(h)] (2*dim) with the
+# residual on h; its own final norm and LM head over a draft vocabulary. Deeper draft levels feed the
+# layer's own output back as h, skipping fc. The embedding is still the target's.
 import json
 from pathlib import Path
 
@@ -9,39 +13,54 @@ import torch.nn as nn
 from torch import Tensor
 
 import quantize
-from model import KVCache, ModelArgs, TransformerBlock, _fuse_qkv, load_state, one_line, rope_at, rope_table
+from model import (Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, _fuse_qkv, eagle3_taps, load_state,
+                   one_line, rope_at, rope_table)
 
 
-class EagleHead(nn.Module):
-    def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0):
+class DraftHead(nn.Module):
+    """What the speculative cycle needs of any head: caches, logits over the draft vocabulary, and the
+    map from draft ids to target ids."""
+
+    kind = ""
+
+    def __init__(self, args: ModelArgs, draft_vocab_size: int):
         super().__init__()
         self.args = args
-        self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
-        self.layers = nn.ModuleList([TransformerBlock(args, input_norm=False)])
         self.max_seq_length = 0
-        # Target token ids the head may propose, most frequent first (empty: the whole vocabulary). A draft
-        # step over 10 rows reads the LM head once per level; 16k of 49k rows cuts that read by two thirds.
+        self.taps = ()  # EAGLE-3: the target layers whose inputs the head reads (target.taps)
+        # Target token ids the head may propose (empty: the whole vocabulary). A draft step over 10 rows
+        # reads the LM head once per level; 16k of 49k rows cuts that read by two thirds.
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"),
                              persistent=draft_vocab_size > 0)  # off the meta device: a checkpoint without one never fills it
-        self.lm_head = None  # set by use_draft_vocab: the target's LM head rows for draft_vocab
         self._register_load_state_dict_pre_hook(_fuse_qkv)
 
     def setup_caches(self, max_seq_length: int, dtype=None):
-        dtype = dtype or self.layers[0].ffn_norm.weight.dtype  # norms stay float in quantised heads
+        norm = self.layers[0].ffn_norm.weight  # norms stay float in quantised heads
+        dtype = dtype or norm.dtype
         self.max_seq_length = max_seq_length
         a = self.layers[0].attention
-        a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(self.fc.weight.device)
+        a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(norm.device)
         # Heads use the RoPE of their own config (its scaling included), sized by the target's context,
         # not the head's max_position_embeddings (often 2048, shorter than the target).
-        self.register_buffer("rope", rope_table(self.args, max_seq_length).to(self.fc.weight.device), persistent=False)
-
-    def logits(self, h: Tensor, target_output: nn.Module) -> Tensor:
-        """Draft logits over the draft vocabulary (the target's LM head when there is none)."""
-        return target_output(h) if self.lm_head is None else self.lm_head(h)
+        self.register_buffer("rope", rope_table(self.args, max_seq_length).to(norm.device), persistent=False)
 
     def target_ids(self, draft_ids: Tensor) -> Tensor:
         """Draft-vocabulary ids -> target token ids."""
         return draft_ids if self.lm_head is None else self.draft_vocab[draft_ids]
+
+
+class EagleHead(DraftHead):
+    kind = "eagle"
+
+    def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0):
+        super().__init__(args, draft_vocab_size)
+        self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
+        self.layers = nn.ModuleList([TransformerBlock(args, input_norm=False)])
+        self.lm_head = None  # set by use_draft_vocab: the target's LM head rows for draft_vocab
+
+    def logits(self, h: Tensor, target_output: nn.Module) -> Tensor:
+        """Draft logits over the draft vocabulary (the target's LM head when there is none)."""
+        return target_output(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
         """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm)."""
@@ -52,10 +71,56 @@ class EagleHead(nn.Module):
         return x
 
 
+class Eagle3Block(nn.Module):
+    """EAGLE-3's decoder layer: attention over [emb_norm(embedding); hidden_norm(h)], residual on h."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.emb_norm = RMSNorm(args.dim, args.norm_eps)  # official: input_layernorm
+        self.hidden_norm = RMSNorm(args.dim, args.norm_eps)
+        self.attention = Attention(args, in_dim=2 * args.dim)
+        self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
+        self.feed_forward = FeedForward(args)
+
+    def forward(self, emb: Tensor, h: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
+        """attention(x, rope, cache_pos, mask): training swaps in its own (train_draft's unrolled steps)."""
+        x = torch.cat([self.emb_norm(emb), self.hidden_norm(h)], dim=-1)
+        h = h + (attention or self.attention)(x, rope, cache_pos, mask)
+        return h + self.feed_forward(self.ffn_norm(h))
+
+
+class Eagle3Head(DraftHead):
+    kind = "eagle3"
+
+    def __init__(self, args: ModelArgs, draft_vocab_size: int, taps: tuple):
+        super().__init__(args, draft_vocab_size)
+        self.taps = tuple(taps)  # empty until known: load_head fills in the official layers of the target
+        self.fc = nn.Linear(3 * args.dim, args.dim, bias=False)
+        self.layers = nn.ModuleList([Eagle3Block(args)])
+        self.norm = RMSNorm(args.dim, args.norm_eps)
+        self.lm_head = nn.Linear(args.dim, draft_vocab_size, bias=False)
+
+    def logits(self, h: Tensor, target_output: nn.Module = None) -> Tensor:
+        """Draft logits over the head's own vocabulary (draft ids; target_ids maps them)."""
+        return self.lm_head(self.norm(h))
+
+    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+        """emb [B, T, dim]; feature [B, T, taps * dim] (the target's fused states) or [B, T, dim] (the head's
+        own output one level up, which skips fc) -> the layer's output [B, T, dim], before the final norm."""
+        h = feature.to(emb.dtype)
+        if h.shape[-1] != self.args.dim:  # static: the shape decides at trace time
+            h = self.fc(h)
+        return self.layers[0](emb, h, rope_at(self.rope, input_pos, h.shape[0]), cache_pos, mask)
+
+
 def use_draft_vocab(head: EagleHead, target_output: nn.Module, size=None) -> EagleHead:
     """Gives the head an LM head over the first `size` tokens of its draft vocabulary (default all of it;
     0: none, draft over the target's whole vocabulary). The rows are copied from the target's LM head,
-    quantised the same way when it is."""
+    quantised the same way when it is. An EAGLE-3 head keeps its own LM head and vocabulary."""
+    if isinstance(head, Eagle3Head):
+        if size is not None and size != len(head.draft_vocab):
+            raise ValueError(f"an EAGLE-3 head drafts over its own vocabulary of {len(head.draft_vocab)} tokens; --draft-vocab cannot change it")
+        return head
     size = len(head.draft_vocab) if size is None else size
     if size > len(head.draft_vocab) and len(head.draft_vocab):
         raise ValueError(f"--draft-vocab {size} exceeds the head's draft vocabulary of {len(head.draft_vocab)}")
@@ -81,16 +146,21 @@ def use_draft_vocab(head: EagleHead, target_output: nn.Module, size=None) -> Eag
     return head
 
 
-def save_head(head: EagleHead, out_dir):
+def save_head(head: DraftHead, out_dir):
     from safetensors.torch import save_file
 
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     head.args.save(out_dir / "config.json")
     cfg = json.loads((out_dir / "config.json").read_text())
-    cfg.update(kind="eagle", fc_bias=head.fc.bias is not None, draft_vocab_size=len(head.draft_vocab))
+    cfg.update(kind=head.kind, draft_vocab_size=len(head.draft_vocab))
+    if head.taps:
+        cfg.update(taps=list(head.taps))
+    if head.kind == "eagle":
+        cfg.update(fc_bias=head.fc.bias is not None)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
-    state = {k: v.contiguous() for k, v in head.state_dict().items() if not k.startswith("lm_head.")}
+    own_lm_head = head.kind == "eagle3"  # an EAGLE-1/2 head's rows are the target's, copied at load time
+    state = {k: v.contiguous() for k, v in head.state_dict().items() if own_lm_head or not k.startswith("lm_head.")}
     save_file(state, str(out_dir / "model.safetensors"))
 
 
@@ -101,25 +171,33 @@ def check_head_fits(head: ModelArgs, target: ModelArgs):
         raise ValueError(f"draft head vocabulary {head.vocab_size} does not fit the target's {target.vocab_size}")
 
 
-def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -> EagleHead:
-    """Loads a converted head directory and checks that it fits the target."""
+def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -> DraftHead:
+    """Loads a converted head directory (kind eagle or eagle3) and checks that it fits the target."""
     path = Path(path)
     cfg_path = path / "config.json"
     if not cfg_path.exists():
         raise FileNotFoundError(f"draft head {path} has no config.json (convert official heads with convert_hf_checkpoint.py --eagle)")
     try:
         cfg = json.loads(cfg_path.read_text())
-        if cfg.get("kind") != "eagle":
-            raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle)")
+        kind = cfg.get("kind")
+        if kind not in ("eagle", "eagle3"):
+            raise ValueError(f"{path} is not an EAGLE head (its config.json lacks kind=eagle or kind=eagle3)")
         args = ModelArgs.load(cfg_path)
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise ValueError(f"{cfg_path}: {one_line(e)}") from None
     check_head_fits(args, target_args)
+    if kind == "eagle3":
+        taps = tuple(cfg.get("taps") or eagle3_taps(target_args.n_layer))  # converted without a target: the official layers
+        if not (len(taps) == 3 and all(0 <= t < target_args.n_layer for t in taps)):
+            raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"draft head {path} has no .safetensors weights")
     with torch.device("meta"):
-        head = EagleHead(args, fc_bias=cfg.get("fc_bias", True), draft_vocab_size=cfg.get("draft_vocab_size", 0))
+        if kind == "eagle3":
+            head = Eagle3Head(args, cfg["draft_vocab_size"], taps)
+        else:
+            head = EagleHead(args, fc_bias=cfg.get("fc_bias", True), draft_vocab_size=cfg.get("draft_vocab_size", 0))
     quantize.prepare(head, cfg)
     try:
         head.load_state_dict(load_state(files[0]), assign=True)

@@ -24,7 +24,7 @@ import quantize
 import sizing
 import spectree
 import tp
-from draft import EagleHead, load_head, use_draft_vocab
+from draft import DraftHead, load_head, use_draft_vocab
 from model import ModelArgs, Transformer, causal_mask, load_state, one_line
 from sampling import Sampling, sample
 
@@ -123,7 +123,8 @@ class SpecState(nn.Module):
     """Everything a cycle carries to the next, as buffers updated in place (CUDA-graph friendly).
 
     L: committed tokens with target KV. root: the last committed token, in no cache yet.
-    pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real.
+    pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real;
+    a feature is what target() returns beside the logits (dim wide, or taps * dim for EAGLE-3 heads).
     prev: the token before root (sps: the draft model rereads it).
     history (lookup): every committed token at [0, L], root included; reserve() sizes it with the caches."""
 
@@ -143,7 +144,7 @@ class SpecState(nn.Module):
             self.register_buffer("scratch_eye", torch.eye(spec.scratch, dtype=torch.bool, device=device))
 
 
-def head_step(target: Transformer, head: EagleHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
+def head_step(target: Transformer, head: DraftHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
     """The head over n rows of target tokens -> (predicted features [n, dim], draft logits [n, V_draft])."""
     h = head(target.tok_embeddings(tokens)[None], feats[None], pos, slots, mask)[0]
     return h, head.logits(h, target.output)
@@ -159,7 +160,7 @@ def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
     return h.index_select(0, st.n_pend.view(1) - 1)[0]  # a tensor index keeps the graph free of syncs
 
 
-def scratch_mask(st: SpecState, head: EagleHead, anc: Tensor) -> Tensor:
+def scratch_mask(st: SpecState, head: DraftHead, anc: Tensor) -> Tensor:
     """Draft mask for tree nodes: the whole committed context plus their ancestors in the scratch."""
     ctx = head.max_seq_length - anc.shape[1]
     prefix = torch.arange(ctx, device=anc.device) < st.L
@@ -240,7 +241,7 @@ def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonu
     return torch.cat([accept_len.view(1), nxt])
 
 
-def tree_cycle(target: Transformer, head: EagleHead, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
     """One EAGLE / EAGLE-2 cycle. Returns [accept_len, committed tokens (depth+1, the first
     accept_len+1 real)]. lap(name), eager only, marks where each phase ends (bench.py's time split); at
     "accept" it also gets the cycle's tokens, parents, draws and draft scores (calibration.py)."""
@@ -363,13 +364,18 @@ def sizing_compile(target: Transformer):
 class Generator:
     """Owns the models, their caches and the (optionally compiled) step functions."""
 
-    def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[EagleHead] = None,
+    def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[DraftHead] = None,
                  draft_model: Optional[Transformer] = None, compile: bool = False):
         self.target, self.spec, self.head, self.draft_model = target, spec, head, draft_model
         self.device = target.tok_embeddings.weight.device
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
-        self.state = SpecState(spec, target.args.dim, self.device) if spec else None
+        # An EAGLE-3 head reads the states entering its tap layers: the target hands them over from the
+        # prefill and verify passes it runs anyway (target.taps); every other drafter reads post-norm states.
+        self.taps = head.taps if head is not None else ()
+        target.taps = self.taps
+        feat_dim = target.args.dim * (len(self.taps) or 1)
+        self.state = SpecState(spec, feat_dim, self.device) if spec else None
         self.prefill, self.decode_one = prefill, decode_one
         self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
         self.plain_cycle = lookup_step
@@ -404,6 +410,7 @@ class Generator:
         if len(prompt) + max_new_tokens > self.target.args.block_size:
             raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
         self.reserve(len(prompt) + max_new_tokens)
+        self.target.taps = self.taps  # another Generator may share the target
         stop_ids = set(stop_ids)
         sync = torch.cuda.synchronize if self.device.type == "cuda" else (lambda: None)
         sync()
@@ -516,7 +523,7 @@ def check_args(a):
         raise UsageError(f"--draft-vocab must be >= 0, got {a.draft_vocab}")
 
 
-def make_spec(a, target: Transformer, head: Optional[EagleHead]) -> Optional[TreeSpec]:
+def make_spec(a, target: Transformer, head: Optional[DraftHead]) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what --num-draft-tokens, --depth and --topk leave open is sized for
     this device (sizing.py)."""
     if a.speculate == "none":

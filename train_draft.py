@@ -1,13 +1,19 @@
-# Trains an EAGLE-1/2 draft head for a converted target checkpoint.
+# Trains an EAGLE-1/2 (--arch eagle) or EAGLE-3 (--arch eagle3) draft head for a converted target checkpoint.
 #
 #   requests   from --prompts FILE.jsonl, or written by the target itself: its chat template up to the
 #              content of a user turn, an opener from SEEDS, sampled at temperature 1 until the turn ends
 #   answers    the target answers each request, batched and KV-cached (left padding), cached in --out
-#   features   one target forward per conversation: post-norm hidden states f_t (what the LM head reads)
-#   training   head slot j reads (emb(x_{j+1}), f_j + noise) at RoPE position j and predicts f_{j+1};
+#   features   one target forward per conversation: post-norm hidden states h_t (what the LM head reads) and,
+#              for EAGLE-3, the fused states entering the tap layers. Records: {tokens, prompt_len, hidden, fused}
+#   eagle      head slot j reads (emb(x_{j+1}), f_j + noise) at RoPE position j and predicts f_{j+1};
 #              loss = SmoothL1(pred, f_{j+1}) + 0.1 CE(softmax(lm_head(f_{j+1})) || lm_head(pred)), the CE over the
 #              draft vocabulary (the answers' most frequent tokens) when there is one,
 #              counted where x_{j+1} is an answer token. Embedding and LM head are the target's, frozen.
+#   eagle3     training-time test: step 0, slot j reads (emb(x_{j+1}), fused_j); step i reads (emb(x_{j+1+i}), the
+#              head's own step i-1 output) at RoPE position j+i, attending to step 0's keys up to slot j and its
+#              own slot's keys of steps 1..i. Loss = sum_i decay^i CE(target distribution over the draft vocabulary
+#              || head), at positions whose target argmax is in the draft vocabulary (as the official code: there
+#              greedy drafting cannot be right, and the renormalised rest would teach the head the target's runners-up).
 import argparse
 import json
 import math
@@ -27,9 +33,9 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import sampling
-from draft import EagleHead, load_head, save_head
+from draft import Eagle3Head, EagleHead, load_head, save_head
 from generate import UsageError, encode_prompt, load_model
-from model import Transformer, causal_mask
+from model import Attention, Transformer, apply_rope, causal_mask, eagle3_taps, rope_at
 from tokenizer import format_chat, load_tokenizer
 
 # Openers for self-written requests, so the target writes about many topics and task types.
@@ -77,6 +83,10 @@ class TrainConfig:
     seed: int = 0
     device: Optional[str] = None
     dtype: Optional[str] = None  # the target's; the head trains in float32
+    arch: str = "eagle"  # eagle (EAGLE-1/2) | eagle3
+    ttt_steps: int = 7  # eagle3: draft steps unrolled in training (1: no training-time test)
+    ttt_decay: float = 0.8  # eagle3: step i's loss weight is decay^i
+    autocast: str = "auto"  # bf16 autocast: auto (where the device has native bf16 matmul) | on | off
 
 
 # ---------------------------------------------------------------- batched sampling
@@ -225,10 +235,11 @@ def add_features(target: Transformer, convs: list, batch: int) -> list:
         tokens = pad_sequence([torch.tensor(c["tokens"]) for c in chunk], batch_first=True).to(device)
         target.setup_caches(tokens.shape[1], batch=len(chunk))
         pos = torch.arange(tokens.shape[1], device=device)
-        h = target.features(tokens, pos, pos, causal_mask(pos, tokens.shape[1]))
+        h, fused = target.hidden(tokens, pos, pos, causal_mask(pos, tokens.shape[1]))
         for row, c in enumerate(chunk):
             n = len(c["tokens"])
-            data.append({"tokens": tokens[row, :n].clone(), "features": h[row, :n].clone(), "prompt_len": c["prompt_len"]})
+            data.append({"tokens": tokens[row, :n].clone(), "hidden": h[row, :n].clone(), "prompt_len": c["prompt_len"]}
+                        | ({"fused": fused[row, :n].clone()} if target.taps else {}))
     return data
 
 
@@ -243,9 +254,16 @@ def count_draft_vocab(convs: list, size: int, vocab_size: int) -> Tensor:
     return torch.tensor((seen + [t for _, t in zip(range(size - len(seen)), unseen)])[:size], dtype=torch.long)
 
 
-def new_head(target: Transformer, max_len: int, draft_vocab: Tensor) -> EagleHead:
-    device = target.tok_embeddings.weight.device
-    head = EagleHead(replace(target.args, n_layer=1), fc_bias=True, draft_vocab_size=len(draft_vocab)).to(device)
+def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle"):
+    device, args = target.tok_embeddings.weight.device, replace(target.args, n_layer=1)
+    if arch == "eagle3":
+        draft_vocab = draft_vocab if len(draft_vocab) else torch.arange(target.args.vocab_size)
+        head = Eagle3Head(args, len(draft_vocab), eagle3_taps(target.args.n_layer)).to(device)
+        with torch.no_grad():  # start where the target ends: its final norm and its LM head rows
+            head.norm.weight.copy_(target.norm.weight)
+            head.lm_head.weight.copy_(target.output.weight[draft_vocab.to(device)])
+    else:
+        head = EagleHead(args, fc_bias=True, draft_vocab_size=len(draft_vocab)).to(device)
     head.draft_vocab.copy_(draft_vocab)
     head.setup_caches(max_len)
     head.layers[0].attention.kv_cache = None  # training attends within each batch's T slots under a [T, T] mask
@@ -256,15 +274,16 @@ def make_batch(data: list, idx: list) -> tuple:
     rows = [data[i] for i in idx]
     device = rows[0]["tokens"].device
     tokens = pad_sequence([r["tokens"] for r in rows], batch_first=True)
-    feats = pad_sequence([r["features"] for r in rows], batch_first=True)
+    hidden = pad_sequence([r["hidden"] for r in rows], batch_first=True)
+    fused = pad_sequence([r["fused"] for r in rows], batch_first=True) if "fused" in rows[0] else None
     lengths = torch.tensor([len(r["tokens"]) for r in rows], device=device)
     prompt_lens = torch.tensor([r["prompt_len"] for r in rows], device=device)
-    return tokens, feats, lengths, prompt_lens
+    return tokens, hidden, fused, lengths, prompt_lens
 
 
-def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig):
-    """-> (loss, regression loss, classification loss, top-1 agreement with the target's argmax, tokens counted)."""
-    tokens, feats, lengths, prompt_lens = batch
+def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, **_):
+    """-> (loss, stats: regression and classification loss, top-1 agreement with the target's argmax; tokens counted)."""
+    tokens, feats, _, lengths, prompt_lens = batch
     T = tokens.shape[1] - 1
     slot = torch.arange(T, device=tokens.device)
     counted = (slot + 1 >= prompt_lens[:, None]) & (slot + 1 < lengths[:, None])
@@ -278,7 +297,95 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     reg = F.smooth_l1_loss(pred, target)
     cls = F.cross_entropy(logits, target_probs)
     acc = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean()
-    return reg + cfg.cls_weight * cls, reg, cls, acc, int(counted.sum())
+    return reg + cfg.cls_weight * cls, {"reg": reg, "cls": cls, "acc": acc}, int(counted.sum())
+
+
+class UnrolledAttention:
+    """The head's attention over the unrolled steps of EAGLE-3's training-time test, called once per step.
+    Step 0 attends causally over the batch's slots (true features); step i > 0 attends to step 0's keys up
+    to its slot plus its own slot's keys from steps 1..i, the diagonal: what a draft node at depth i+1 sees
+    at inference, the committed context and its ancestors. The diagonal is a dot product per slot, so a
+    step costs one T x T attention whatever its depth."""
+
+    def __init__(self, attention: Attention):
+        self.attention, self.context, self.diagonal = attention, None, []
+
+    def __call__(self, x: Tensor, rope: Tensor, cache_pos=None, mask=None) -> Tensor:
+        a, (B, T, _) = self.attention, x.shape
+        q_size, kv_size = a.n_head * a.head_dim, a.n_kv * a.head_dim
+        q, k, v = a.wqkv(x).split([q_size, kv_size, kv_size], dim=-1)
+        group = a.n_head // a.n_kv  # GQA: query head n reads key head n // group, as SDPA's enable_gqa
+        q = apply_rope(q.view(B, T, a.n_head, a.head_dim), rope).transpose(1, 2).float()
+        k = apply_rope(k.view(B, T, a.n_kv, a.head_dim), rope).transpose(1, 2).repeat_interleave(group, 1).float()
+        v = v.view(B, T, a.n_kv, a.head_dim).transpose(1, 2).repeat_interleave(group, 1).float()
+        if self.context is None:
+            self.context = (k, v)
+        else:
+            self.diagonal.append((k, v))
+        k0, v0 = self.context
+        scale = a.head_dim ** -0.5
+        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
+        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+        scores += [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in self.diagonal]
+        w = torch.softmax(torch.cat(scores, -1), -1)
+        y = w[..., :T] @ v0
+        for n, (_, vi) in enumerate(self.diagonal):
+            y = y + w[..., T + n:T + n + 1] * vi
+        return a.wo(y.transpose(1, 2).reshape(B, T, q_size).to(x.dtype))
+
+
+@torch.no_grad()
+def target_argmax(hidden: Tensor, lm_head: Tensor, rows: int = 2048) -> Tensor:
+    """The target's argmax over its whole vocabulary, a chunk of rows at a time (the logits are large)."""
+    flat = hidden.reshape(-1, hidden.shape[-1])
+    return torch.cat([(chunk @ lm_head.T).argmax(-1) for chunk in flat.split(rows)]).view(hidden.shape[:-1])
+
+
+def unrolled_steps(head: Eagle3Head, embed: Tensor, tokens: Tensor, fused: Tensor, steps: int):
+    """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), fused [B, T, *]."""
+    B, T = fused.shape[:2]
+    slot = torch.arange(T, device=tokens.device)
+    h, attention = head.fc(fused.to(embed.dtype)), UnrolledAttention(head.layers[0].attention)
+    for i in range(steps):
+        emb = F.embedding(tokens[:, 1 + i:1 + i + T], embed)
+        h = head.layers[0](emb, h, rope_at(head.rope, slot + i, B), None, None, attention=attention)
+        yield h
+
+
+def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, lm_full: Tensor, in_draft: Tensor):
+    """EAGLE-3's training-time test over cfg.ttt_steps unrolled steps (see the top of the file). lm_head: the
+    target's rows for the draft vocabulary; lm_full: all its rows; in_draft: bool [V], the draft vocabulary.
+    -> (loss, stats: step 0's CE and per-step top-1 agreement on counted positions; tokens counted at step 0)."""
+    tokens, hidden, fused, lengths, prompt_lens = batch
+    steps, T = cfg.ttt_steps, tokens.shape[1] - 1
+    slot = torch.arange(T, device=tokens.device)
+    tokens = F.pad(tokens, (0, steps))  # step i reads x_{j+1+i}; slots past a row's end are never counted
+    after = F.pad(hidden[:, 1:].float(), (0, 0, 0, steps))  # the target state that step i at slot j predicts: after[:, j+i]
+    keep_all = in_draft[target_argmax(after, lm_full)]
+    loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
+    for i, h in enumerate(unrolled_steps(head, embed, tokens, fused[:, :T], steps)):
+        counted = (slot + 1 + i >= prompt_lens[:, None]) & (slot + 1 + i < lengths[:, None])
+        with torch.no_grad():  # the target's distribution restricted to the draft vocabulary, renormalised
+            target_probs = torch.softmax((after[:, i:i + T][counted] @ lm_head.T).float(), -1)
+            keep = keep_all[:, i:i + T][counted].float()
+        logits = head.logits(h[counted]).float()
+        ce = -(target_probs * F.log_softmax(logits, -1)).sum(-1)
+        step_loss = (ce * keep).sum() / counted.sum().clamp(min=1)
+        loss = loss + cfg.ttt_decay ** i * step_loss
+        with torch.no_grad():
+            agree = (logits.argmax(-1) == target_probs.argmax(-1)).float() * keep
+            stats["acc_steps"].append(agree.sum() / keep.sum().clamp(min=1))
+        if i == 0:
+            stats["cls"], counted0 = step_loss, int(counted.sum())
+    stats["acc"] = stats["acc_steps"][0]
+    return loss, stats, counted0
+
+
+def native_bf16(device: torch.device) -> bool:
+    """bf16 matmuls run natively here (measured 3.7-5.7x fp32 on an AVX512-BF16 CPU, slower where emulated)."""
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -295,8 +402,9 @@ def save_state(out: Path, head: EagleHead, opt, step: int):
 
 
 def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
-    """Returns the step reached. Appends one line per step to --out/train_log.jsonl."""
-    head = new_head(target, max(len(d["tokens"]) for d in data), draft_vocab)
+    """Returns the step reached. Appends one line per step to --out/train_log.jsonl. data: records
+    {tokens, prompt_len, hidden, fused (eagle3)}, as add_features writes them."""
+    head = new_head(target, max(len(d["tokens"]) for d in data) + cfg.ttt_steps, draft_vocab, cfg.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     step, state_path = 0, cfg.out / "train_state.pt"
     if cfg.resume:
@@ -309,13 +417,18 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     else:
         if cfg.init:
             weights = load_head(cfg.init, target.args, target.tok_embeddings.weight.device).state_dict()
-            head.load_state_dict({k: v for k, v in weights.items() if k != "draft_vocab"}, strict=False)
+            own = head.state_dict()
+            head.load_state_dict({k: v for k, v in weights.items() if k != "draft_vocab" and k in own and v.shape == own[k].shape}, strict=False)
         if (cfg.out / "train_log.jsonl").exists():
             (cfg.out / "train_log.jsonl").unlink()
     embed = target.tok_embeddings.weight.detach().float()
-    lm_head = target.output.weight.detach().float()
-    if len(draft_vocab):
-        lm_head = lm_head[draft_vocab.to(lm_head.device)]
+    lm_full = lm_head = target.output.weight.detach().float()
+    if len(head.draft_vocab):
+        lm_head = lm_head[head.draft_vocab.to(lm_head.device)]
+    in_draft = torch.zeros(len(lm_full), dtype=torch.bool, device=lm_full.device).index_fill_(0, head.draft_vocab.to(lm_full.device), True)
+    loss_fn = ttt_loss if cfg.arch == "eagle3" else head_loss
+    device = target.tok_embeddings.weight.device
+    bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and native_bf16(device))
     per_epoch = math.ceil(len(data) / cfg.batch_size)
     total = cfg.epochs * per_epoch
     torch.manual_seed(cfg.seed + step)
@@ -326,14 +439,17 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg, total)
-        loss, reg, cls, acc, n = head_loss(head, embed, lm_head, make_batch(data, order[i * cfg.batch_size:(i + 1) * cfg.batch_size]), cfg)
+        batch = make_batch(data, order[i * cfg.batch_size:(i + 1) * cfg.batch_size])
+        with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            loss, stats, n = loss_fn(head, embed, lm_head, batch, cfg, lm_full=lm_full, in_draft=in_draft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(head.parameters(), cfg.clip)
         opt.step()
         step += 1
         seen_tokens += n
-        stats = {"step": step, "loss": loss.item(), "reg": reg.item(), "cls": cls.item(), "acc": acc.item(), "lr": opt.param_groups[0]["lr"]}
+        stats = {"step": step, "loss": loss.item(), "lr": opt.param_groups[0]["lr"]} | {
+            k: [round(x.item(), 4) for x in v] if isinstance(v, list) else v.item() for k, v in stats.items()}
         append_jsonl(cfg.out / "train_log.jsonl", [stats])
         ema = stats if ema is None else {k: 0.95 * ema[k] + 0.05 * stats[k] for k in ("loss", "acc")}
         bar.update(1)
@@ -352,7 +468,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
-    p = argparse.ArgumentParser(description="Train an EAGLE-1/2 draft head on conversations the target itself answers.")
+    p = argparse.ArgumentParser(description="Train an EAGLE-1/2 or EAGLE-3 draft head on conversations the target itself answers.")
     p.add_argument("--checkpoint", type=Path, default=d.checkpoint, help="converted target dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--out", type=Path, default=d.out, help="data cache, head/ and train_state.pt")
     p.add_argument("--prompts", type=Path, default=d.prompts, help="jsonl of requests ('prompt' or 'turns'); default: the target writes them")
@@ -375,6 +491,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="stop cleanly after this long (rerun, with --resume once training started)")
     p.add_argument("--resume", action="store_true", help="continue training from --out/train_state.pt")
     p.add_argument("--init", type=Path, default=d.init, help="start from this head's weights instead of a fresh head")
+    p.add_argument("--arch", choices=["eagle", "eagle3"], default=d.arch, help="eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test")
+    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle3: draft steps unrolled in training (official 7)")
+    p.add_argument("--ttt-decay", type=float, default=d.ttt_decay, help="eagle3: loss weight decay per unrolled step (official 0.8)")
+    p.add_argument("--autocast", choices=["auto", "on", "off"], default=d.autocast, help="bf16 autocast (auto: where bf16 matmul is native)")
     p.add_argument("--seed", type=int, default=d.seed)
     p.add_argument("--device", default=d.device, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
@@ -382,7 +502,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_config(cfg: TrainConfig):
-    for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "epochs", "batch_size", "save_every"):
+    for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "epochs", "batch_size", "save_every", "ttt_steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if cfg.draft_vocab < 0:
@@ -412,6 +532,7 @@ def run(cfg: TrainConfig) -> int:
         return 0
     if not convs:
         raise UsageError("no usable requests: pass --prompts FILE.jsonl")
+    target.taps = eagle3_taps(target.args.n_layer) if cfg.arch == "eagle3" else ()  # add_features then records the fused states
     draft_vocab = (count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
                    if 0 < cfg.draft_vocab < target.args.vocab_size else torch.zeros(0, dtype=torch.long))
     train(cfg, target, add_features(target, convs, cfg.gen_batch), draft_vocab, deadline)

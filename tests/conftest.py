@@ -9,8 +9,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 import sampling  # noqa: E402
 import spectree  # noqa: E402
-from draft import EagleHead  # noqa: E402
-from model import ModelArgs, Transformer  # noqa: E402
+from draft import Eagle3Head, EagleHead  # noqa: E402
+from model import ModelArgs, Transformer, eagle3_taps  # noqa: E402
 
 
 def _tiny_args(**kw) -> ModelArgs:
@@ -33,6 +33,20 @@ def _random_head(args: ModelArgs, seed: int, std: float = 0.1) -> EagleHead:
     head = EagleHead(args)
     for p in head.parameters():
         torch.nn.init.normal_(p, std=std)
+    return head.eval()
+
+
+def _random_eagle3_head(args: ModelArgs, seed: int, draft_vocab=None, std: float = 0.1) -> Eagle3Head:
+    """An EAGLE-3 head for a target with `args` (taps: the official layers), drafting over `draft_vocab`
+    (target ids; default: the whole vocabulary, permuted, so the draft-to-target map matters)."""
+    g = torch.Generator().manual_seed(seed)
+    draft_vocab = torch.randperm(args.vocab_size, generator=g) if draft_vocab is None else torch.as_tensor(draft_vocab)
+    head = Eagle3Head(ModelArgs(**{**args.__dict__, "n_layer": 1}), len(draft_vocab), eagle3_taps(args.n_layer))
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * std + (1.0 if p.dim() == 1 else 0.0))  # norms near 1
+        head.lm_head.weight.mul_(3)  # draft logits of a few units
+    head.draft_vocab.copy_(draft_vocab)
     return head.eval()
 
 
@@ -72,6 +86,12 @@ def random_model():
 def random_head():
     """random_head(args, seed, std=0.1) -> EagleHead in eval mode."""
     return _random_head
+
+
+@pytest.fixture(scope="session")
+def random_eagle3_head():
+    """random_eagle3_head(target_args, seed, draft_vocab=None, std=0.1) -> Eagle3Head in eval mode."""
+    return _random_eagle3_head
 
 
 @pytest.fixture(scope="session")

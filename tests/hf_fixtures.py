@@ -1,5 +1,5 @@
 # Small random checkpoints in the formats the converter reads: HF LLaMA directories (with a real byte-level
-# BPE tokenizer, so a converted one is a complete checkpoint), official EAGLE-1/2 heads and GGUF files.
+# BPE tokenizer, so a converted one is a complete checkpoint), official EAGLE-1/2 and EAGLE-3 heads and GGUF files.
 import json
 import math
 from pathlib import Path
@@ -137,15 +137,10 @@ def write_hf_llama(
     return model
 
 
-def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, seed: int = 0, **config_overrides) -> dict:
-    """A random EAGLE-1/2 head in the official format for `target_hf_model`: config.json plus pytorch_model.bin, keys
-    without a `model.` prefix, HF rotate-half q/k rows. `config_overrides` (e.g. hidden_size=96) make heads that do
-    not fit. Returns the state dict written."""
-    out_dir = Path(out_dir)
-    out_dir.mkdir(parents=True, exist_ok=True)
+def official_head_config(target_hf_model, **fields) -> dict:
+    """An official head's config.json: the target's sizes, one layer; `fields` add to or override them."""
     t = target_hf_model.config
-    config = {
-        "architectures": ["LlamaForCausalLM"],
+    return {
         "model_type": "llama",
         "hidden_act": "silu",
         "hidden_size": t.hidden_size,
@@ -157,13 +152,25 @@ def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, se
         "rms_norm_eps": t.rms_norm_eps,
         "rope_theta": t.rope_parameters["rope_theta"],
         "vocab_size": t.vocab_size,
-        "bias": bias,
         "torch_dtype": "float32",
-        **config_overrides,
+        **fields,
     }
-    h, inter, vocab = config["hidden_size"], config["intermediate_size"], config["vocab_size"]
-    head_dim = h // config["num_attention_heads"]
-    q_rows, kv_rows = config["num_attention_heads"] * head_dim, config["num_key_value_heads"] * head_dim
+
+
+def head_sizes(config: dict) -> tuple:
+    """(hidden, intermediate, vocabulary, q rows, k/v rows) of a head config."""
+    h, n_head = config["hidden_size"], config["num_attention_heads"]
+    return h, config["intermediate_size"], config["vocab_size"], h, config["num_key_value_heads"] * (h // n_head)
+
+
+def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, seed: int = 0, **config_overrides) -> dict:
+    """A random EAGLE-1/2 head in the official format for `target_hf_model`: config.json plus pytorch_model.bin, keys
+    without a `model.` prefix, HF rotate-half q/k rows. `config_overrides` (e.g. hidden_size=96) make heads that do
+    not fit. Returns the state dict written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = official_head_config(target_hf_model, architectures=["LlamaForCausalLM"], bias=bias, **config_overrides)
+    h, inter, vocab, q_rows, kv_rows = head_sizes(config)
     shapes = {
         "fc.weight": (h, 2 * h),
         "layers.0.self_attn.q_proj.weight": (q_rows, h),
@@ -182,6 +189,40 @@ def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, se
     target_embedding = target_hf_model.get_input_embeddings().weight.detach().float()
     fits = target_embedding.shape == (vocab, h)
     state["embed_tokens.weight"] = target_embedding.clone() if fits else torch.randn(vocab, h, generator=g)
+    torch.save(state, out_dir / "pytorch_model.bin")
+    (out_dir / "config.json").write_text(json.dumps(config, indent=2))
+    return state
+
+
+def write_official_eagle3_head(out_dir, target_hf_model, *, draft_vocab_size: int = 96, seed: int = 0, **config_overrides) -> dict:
+    """A random EAGLE-3 head in the official format for `target_hf_model`: config.json (with draft_vocab_size) plus
+    pytorch_model.bin with fc (3h -> h), midlayer.* (q/k/v read 2h, HF rotate-half rows), norm, lm_head (draft
+    vocab x h), d2t (draft id d -> target id d + d2t[d], ascending ids as the official scan writes them) and t2d.
+    `config_overrides` (hidden_size=96, vocab_size=321) make heads that do not fit. Returns the state dict written."""
+    out_dir = Path(out_dir)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    config = official_head_config(target_hf_model, architectures=["LlamaForCausalLMEagle3"], draft_vocab_size=draft_vocab_size,
+                                  **config_overrides)
+    h, inter, vocab, q_rows, kv_rows = head_sizes(config)
+    shapes = {
+        "fc.weight": (h, 3 * h),
+        "midlayer.self_attn.q_proj.weight": (q_rows, 2 * h),
+        "midlayer.self_attn.k_proj.weight": (kv_rows, 2 * h),
+        "midlayer.self_attn.v_proj.weight": (kv_rows, 2 * h),
+        "midlayer.self_attn.o_proj.weight": (h, q_rows),
+        "midlayer.mlp.gate_proj.weight": (inter, h),
+        "midlayer.mlp.up_proj.weight": (inter, h),
+        "midlayer.mlp.down_proj.weight": (h, inter),
+        "lm_head.weight": (draft_vocab_size, h),
+    }
+    g = torch.Generator().manual_seed(seed)
+    state = {k: torch.randn(shape, generator=g) / math.sqrt(shape[1]) for k, shape in shapes.items()}
+    state["lm_head.weight"] *= 3  # logits of a few units, so the draft's top tokens are well separated
+    for name in ("midlayer.input_layernorm", "midlayer.hidden_norm", "midlayer.post_attention_layernorm", "norm"):
+        state[name + ".weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+    used = torch.randperm(vocab, generator=g)[:draft_vocab_size].sort().values
+    state["d2t"] = used - torch.arange(draft_vocab_size)
+    state["t2d"] = torch.zeros(vocab, dtype=torch.bool).index_fill_(0, used, True)
     torch.save(state, out_dir / "pytorch_model.bin")
     (out_dir / "config.json").write_text(json.dumps(config, indent=2))
     return state

@@ -240,14 +240,6 @@ def test_eagle_head_that_does_not_fit_the_target(gqa_tied, tmp_path, override, m
     assert "\n" not in str(error.value)
 
 
-def test_eagle3_head_is_refused(tmp_path):
-    (tmp_path / "config.json").write_text(json.dumps({"model_type": "llama", "hidden_size": 64, "draft_vocab_size": 32}))
-    eagle3 = {"midlayer.self_attn.q_proj.weight": torch.zeros(64, 128), "d2t": torch.zeros(32, dtype=torch.long)}
-    torch.save(eagle3, tmp_path / "pytorch_model.bin")
-    with pytest.raises(ValueError, match="EAGLE-3 heads are not supported"):
-        convert.convert_eagle(tmp_path, tmp_path / "out")
-
-
 # ---------------------------------------------------------------- refusals and the CLI
 
 @pytest.mark.parametrize("change, message", [
