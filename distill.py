@@ -7,6 +7,7 @@
 #              reads) and EAGLE-3's fused input ("fused", the states entering three layers), bf16 safetensors shards
 #
 # Everything lives in one data directory and a rerun continues where the last one stopped; load_records reads it.
+import fcntl
 import json
 import math
 import os
@@ -411,6 +412,19 @@ def build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, roun
     """Requests, answers and features into cfg.data, in rounds of round_convs conversations (default: 8 batches)
     so that a stop at any time leaves usable data. -> (conversations, True when all num_prompts are done)."""
     cfg.data.mkdir(parents=True, exist_ok=True)
+    lock = open(cfg.data / ".lock", "w")  # two writers would interleave requests.jsonl and answer each other's ids
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        from generate import UsageError  # lazily: the loading module (issue 12) will own it
+
+        lock.close()
+        raise UsageError(f"{cfg.data} is being written by another process") from None
+    with lock:
+        return _build(cfg, target, tokenizer, deadline, round_convs)
+
+
+def _build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, round_convs: int) -> tuple:
     round_convs = round_convs or max(cfg.shard_convs, 8 * cfg.gen_batch)
     fixed = file_requests(cfg.prompts)[: cfg.num_prompts] if cfg.prompts else None
     convs = read_jsonl(cfg.data / "conversations.jsonl")

@@ -74,6 +74,17 @@ def test_write_requests_skips_holdout(tiny, tmp_path, monkeypatch):
     assert requests[1] not in again and again[0] == requests[0] and again[1] == requests[2]
 
 
+def test_one_writer_per_data_dir(tiny, tmp_path):
+    import fcntl
+
+    from generate import UsageError
+
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UsageError, match="another process"):
+            distill.build(distill.DataConfig(out=tmp_path, compile=False), load_model(tiny), load_tokenizer(tiny), float("inf"))
+
+
 def test_features_are_the_targets_states_and_resume(tiny, tmp_path):
     target, tok = load_model(tiny), load_tokenizer(tiny)
     cfg = distill.DataConfig(out=tmp_path, prompts=None, num_prompts=5, max_request_tokens=24, max_answer_tokens=20,
