@@ -1,10 +1,8 @@
-# Trains an EAGLE-1/2 (--arch eagle) or EAGLE-3 (--arch eagle3) draft head for a converted target checkpoint.
+# Trains an EAGLE-1/2 (--arch eagle) or EAGLE-3 (--arch eagle3) draft head for a converted target checkpoint,
+# on data distill.py writes and stores.
 #
-#   requests   from --prompts FILE.jsonl, or written by the target itself: its chat template up to the
-#              content of a user turn, an opener from SEEDS, sampled at temperature 1 until the turn ends
-#   answers    the target answers each request, batched and KV-cached (left padding), cached in --out
-#   features   one target forward per conversation: post-norm hidden states h_t (what the LM head reads) and,
-#              for EAGLE-3, the fused states entering the tap layers. Records: {tokens, prompt_len, hidden, fused}
+#   data       distill.py: self-written requests, the target's answers, its features (shards in --data-dir):
+#              records {tokens, prompt_len, hidden (post-norm states), fused (the states entering the tap layers)}
 #   eagle      head slot j reads (emb(x_{j+1}), f_j + noise) at RoPE position j and predicts f_{j+1};
 #              loss = SmoothL1(pred, f_{j+1}) + 0.1 CE(softmax(lm_head(f_{j+1})) || lm_head(pred)), the CE over the
 #              draft vocabulary (the answers' most frequent tokens) when there is one,
@@ -15,10 +13,8 @@
 #              || head), at positions whose target argmax is in the draft vocabulary (as the official code: there
 #              greedy drafting cannot be right, and the renormalised rest would teach the head the target's runners-up).
 import argparse
-import json
 import math
 import os
-import random
 import sys
 import time
 from collections import Counter
@@ -32,42 +28,17 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-import sampling
+import distill
+from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
-from generate import UsageError, encode_prompt, load_model
+from generate import UsageError, load_model
 from model import Attention, Transformer, apply_rope, causal_mask, eagle3_taps, rope_at
-from tokenizer import format_chat, load_tokenizer
-
-# Openers for self-written requests, so the target writes about many topics and task types.
-SEEDS = [
-    "Write a short poem about", "Write a haiku about", "Write a limerick about", "Write a story about",
-    "Write a dialogue between", "Give me a recipe for", "What is a healthy breakfast", "Write a Python function that",
-    "Write a JavaScript function that", "Write a SQL query that", "Debug this code:", "Explain", "Explain to a child",
-    "Explain the concept of", "Compare", "What is the difference between", "What are the pros and cons of", "Summarize",
-    "How do I", "How does", "Why does", "What causes", "What would happen if", "Is it true that", "Who was",
-    "Tell me about the history of", "What were the main causes of", "A train leaves a station at",
-    "If a store sells apples for", "Solve for x:", "Calculate", "How many", "Prove that", "Convert",
-    "Translate into French:", "Rewrite this sentence to be more formal:", "Write an email to my boss about",
-    "Help me write a cover letter for", "I have a job interview tomorrow for", "Give me tips on", "Give me a step-by-step guide to",
-    "What is the best way to", "Create a weekly workout plan for", "Plan a three-day trip to", "Recommend some books about",
-    "Suggest a name for", "Brainstorm ideas for", "Design a", "Outline an essay on", "Write a product description for",
-    "List five", "Describe",
-]  # fmt: skip
-SENTINEL = "\x00request\x00"
+from tokenizer import load_tokenizer
 
 
 @dataclass
-class TrainConfig:
+class TrainConfig(DataConfig):  # the data fields (requests, answers, features) are distill.DataConfig's
     checkpoint: Optional[Path] = None  # None: the embedded default model
-    out: Path = Path("out/train_draft")
-    prompts: Optional[Path] = None  # jsonl with "prompt" or "turns" (first turn); None: the target writes them
-    num_prompts: int = 2000
-    max_request_tokens: int = 96
-    max_answer_tokens: int = 256
-    gen_batch: int = 64  # rows generated (and featurised) at once
-    temperature: float = 0.8  # answers; requests are sampled at 1.0
-    greedy_fraction: float = 0.25  # answers decoded greedily, like the greedy runs the head serves
-    top_p: float = 0.95
     epochs: int = 10
     batch_size: int = 8  # conversations per step
     lr: float = 3e-4
@@ -79,168 +50,15 @@ class TrainConfig:
     save_every: int = 500
     max_seconds: float = 0.0  # stop cleanly (data cached, state saved) after this long; 0 = no limit
     resume: bool = False
+    data_only: bool = False  # stop once the data is written (a long generation job)
     init: Optional[Path] = None  # start from this head's weights (fine-tuning on new data)
-    seed: int = 0
+    threads: int = 0  # torch threads (0: torch's default); on a busy machine fewer threads can be faster
     device: Optional[str] = None
     dtype: Optional[str] = None  # the target's; the head trains in float32
     arch: str = "eagle"  # eagle (EAGLE-1/2) | eagle3
     ttt_steps: int = 7  # eagle3: draft steps unrolled in training (1: no training-time test)
     ttt_decay: float = 0.8  # eagle3: step i's loss weight is decay^i
     autocast: str = "auto"  # bf16 autocast: auto (where the device has native bf16 matmul) | on | off
-
-
-# ---------------------------------------------------------------- batched sampling
-
-def draw_rows(logits: Tensor, temperature: Tensor, top_p: float) -> Tensor:
-    """One token per row; temperature [B], 0 = greedy."""
-    scaled = logits.float() / temperature.clamp(min=1e-5)[:, None]
-    sampled = sampling.sample(sampling.logits_to_probs(scaled, 1.0, 0, top_p))
-    return torch.where(temperature == 0, logits.argmax(-1), sampled)
-
-
-@torch.inference_mode()
-def sample_batch(target: Transformer, prompts: list, max_new: int, temperature: Tensor, top_p: float, stop_ids) -> list:
-    """Continues B prompts at once, left-padded. Returns each row's new tokens, up to and including its first stop."""
-    device = target.tok_embeddings.weight.device
-    B, P = len(prompts), max(map(len, prompts))
-    pad = torch.tensor([P - len(p) for p in prompts], device=device)
-    tokens = torch.tensor([[0] * (P - len(p)) + p for p in prompts], device=device)
-    target.setup_caches(P + max_new, batch=B)
-    slots = torch.arange(P + max_new, device=device)
-    stop = torch.tensor(list(stop_ids), dtype=torch.long, device=device)
-    temperature = temperature.to(device)
-
-    def step(x: Tensor, start: int) -> Tensor:
-        cache_pos = slots[start:start + x.shape[1]]
-        mask = (slots >= pad[:, None, None]) & (slots <= cache_pos[:, None])
-        mask = mask | (slots == cache_pos[:, None])  # pad rows see only themselves, so they stay finite
-        h = target.features(x, (cache_pos - pad[:, None]).clamp(min=0), cache_pos, mask)
-        return draw_rows(target.output(h[:, -1]), temperature, top_p)
-
-    out = [step(tokens, 0)]
-    done = torch.isin(out[0], stop)
-    for t in range(1, max_new):
-        if t % 16 == 0 and bool(done.all()):  # an occasional host sync, not one per step
-            break
-        out.append(step(out[-1][:, None], P + t - 1))
-        done |= torch.isin(out[-1], stop)
-    rows = torch.stack(out, 1).tolist()
-    return [row[: next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in rows]
-
-
-# ---------------------------------------------------------------- data: requests and answers
-
-def read_jsonl(path: Path) -> list:
-    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
-
-
-def append_jsonl(path: Path, records: list):
-    with open(path, "a") as f:
-        f.writelines(json.dumps(r) + "\n" for r in records)
-
-
-def file_requests(path: Path) -> list:
-    requests = []
-    for r in read_jsonl(path):
-        text = r.get("prompt") or (r.get("turns") or [None])[0]
-        if not isinstance(text, str) or not text.strip():
-            raise UsageError(f"{path}: every line needs a non-empty 'prompt' or 'turns' field")
-        requests.append(text)
-    return requests
-
-
-def request_template(family: str) -> tuple:
-    """(text before a user turn's content, text that ends it) for the chat family."""
-    before, after = format_chat(family, [{"role": "user", "content": SENTINEL}], add_generation_prompt=False).split(SENTINEL)
-    return before, after.strip()
-
-
-def clean_request(text: str, end: str, specials) -> str:
-    text = text.split(end)[0] if end else text
-    for s in specials:  # template markup in a request would be parsed as structure when re-encoded
-        text = text.replace(s, "")
-    return text.strip()
-
-
-def write_requests(cfg: TrainConfig, target: Transformer, tokenizer, deadline: float) -> list:
-    """Requests written by the target, appended to --out/requests.jsonl until there are num_prompts."""
-    path, args = cfg.out / "requests.jsonl", target.args
-    requests = [r["request"] for r in read_jsonl(path)]
-    before, end = request_template(args.chat_template)
-    bos = [args.bos_token] if args.bos_token is not None else []
-    specials = list(getattr(tokenizer, "specials", {}))
-    rng, seen = random.Random(cfg.seed + len(requests)), set(requests)
-    torch.manual_seed(cfg.seed + len(requests))
-    temperature = torch.ones(cfg.gen_batch)
-    bar = tqdm(total=cfg.num_prompts, initial=min(len(requests), cfg.num_prompts), desc="requests", unit="req", file=sys.stderr)
-    for _ in range(4 * math.ceil(cfg.num_prompts / cfg.gen_batch)):  # bounded: a weak target may repeat itself
-        if len(requests) >= cfg.num_prompts or time.monotonic() > deadline:
-            break
-        openers = [rng.choice(SEEDS) for _ in range(cfg.gen_batch)]
-        prompts = [bos + tokenizer.encode(before + o) for o in openers]
-        new = []
-        for opener, ids in zip(openers, sample_batch(target, prompts, cfg.max_request_tokens, temperature, 0.95, args.stop_tokens)):
-            text = clean_request(opener + tokenizer.decode(ids), end, specials)
-            if len(text.split()) > len(opener.split()) + 2 and text not in seen:
-                seen.add(text)
-                new.append(text)
-        new = new[: cfg.num_prompts - len(requests)]
-        append_jsonl(path, [{"request": r} for r in new])
-        requests += new
-        bar.update(len(new))
-    bar.close()
-    return requests
-
-
-def answer_requests(cfg: TrainConfig, target: Transformer, tokenizer, requests: list, deadline: float) -> list:
-    """Conversations {id, prompt_len, tokens}, cached in --out/conversations.jsonl (a rerun continues)."""
-    path, args = cfg.out / "conversations.jsonl", target.args
-    convs = read_jsonl(path)
-    answered = {c["id"] for c in convs}
-    todo = [(i, encode_prompt(tokenizer, args, [{"role": "user", "content": r}], bool(args.chat_template)))
-            for i, r in enumerate(requests) if i not in answered]
-    todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: less left padding
-    rng = random.Random(cfg.seed + len(convs))
-    torch.manual_seed(cfg.seed + len(convs))
-    new_tokens, seconds = 0, 0.0
-    bar = tqdm(total=len(requests), initial=len(convs), desc="answers", unit="conv", file=sys.stderr)
-    for b in range(0, len(todo), cfg.gen_batch):
-        if time.monotonic() > deadline:
-            break
-        chunk = todo[b:b + cfg.gen_batch]
-        temps = [0.0 if rng.random() < cfg.greedy_fraction else cfg.temperature for _ in chunk]
-        t0 = time.perf_counter()
-        answers = sample_batch(target, [p for _, p in chunk], cfg.max_answer_tokens, torch.tensor(temps), cfg.top_p, args.stop_tokens)
-        seconds += time.perf_counter() - t0
-        new_tokens += sum(map(len, answers))
-        batch = [{"id": i, "temperature": t, "prompt_len": len(p), "tokens": p + a} for (i, p), a, t in zip(chunk, answers, temps)]
-        append_jsonl(path, batch)
-        convs += batch
-        bar.update(len(batch))
-        bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
-    bar.close()
-    if new_tokens:
-        print(f"answers: {new_tokens} tokens in {seconds:.1f} s, {new_tokens / seconds:.1f} tokens/s", file=sys.stderr)
-    return convs
-
-
-@torch.inference_mode()
-def add_features(target: Transformer, convs: list, batch: int) -> list:
-    """Each conversation once through the target (right-padded batches): tokens, post-norm features, prompt_len."""
-    device = target.tok_embeddings.weight.device
-    convs = sorted(convs, key=lambda c: len(c["tokens"]))
-    data = []
-    for b in tqdm(range(0, len(convs), batch), desc="features", unit="batch", file=sys.stderr):
-        chunk = convs[b:b + batch]
-        tokens = pad_sequence([torch.tensor(c["tokens"]) for c in chunk], batch_first=True).to(device)
-        target.setup_caches(tokens.shape[1], batch=len(chunk))
-        pos = torch.arange(tokens.shape[1], device=device)
-        h, fused = target.hidden(tokens, pos, pos, causal_mask(pos, tokens.shape[1]))
-        for row, c in enumerate(chunk):
-            n = len(c["tokens"])
-            data.append({"tokens": tokens[row, :n].clone(), "hidden": h[row, :n].clone(), "prompt_len": c["prompt_len"]}
-                        | ({"fused": fused[row, :n].clone()} if target.taps else {}))
-    return data
 
 
 # ---------------------------------------------------------------- training
@@ -403,7 +221,7 @@ def save_state(out: Path, head: EagleHead, opt, step: int):
 
 def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
     """Returns the step reached. Appends one line per step to --out/train_log.jsonl. data: records
-    {tokens, prompt_len, hidden, fused (eagle3)}, as add_features writes them."""
+    {tokens, prompt_len, hidden, fused (eagle3)}, as distill.load_records returns them."""
     head = new_head(target, max(len(d["tokens"]) for d in data) + cfg.ttt_steps, draft_vocab, cfg.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     step, state_path = 0, cfg.out / "train_state.pt"
@@ -470,12 +288,17 @@ def build_parser() -> argparse.ArgumentParser:
     d = TrainConfig()
     p = argparse.ArgumentParser(description="Train an EAGLE-1/2 or EAGLE-3 draft head on conversations the target itself answers.")
     p.add_argument("--checkpoint", type=Path, default=d.checkpoint, help="converted target dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", type=Path, default=d.out, help="data cache, head/ and train_state.pt")
+    p.add_argument("--out", type=Path, default=d.out, help="head/, train_state.pt (and the data, without --data-dir)")
+    p.add_argument("--data-dir", type=Path, default=d.data_dir, help="requests, conversations and feature shards (several runs may share one); default: --out")
     p.add_argument("--prompts", type=Path, default=d.prompts, help="jsonl of requests ('prompt' or 'turns'); default: the target writes them")
+    p.add_argument("--holdout", type=Path, default=d.holdout, help="MT-bench-format jsonl whose questions self-written requests must not match")
     p.add_argument("--num-prompts", type=int, default=d.num_prompts)
     p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
     p.add_argument("--max-answer-tokens", type=int, default=d.max_answer_tokens)
     p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="rows generated at once")
+    p.add_argument("--feature-tokens", type=int, default=d.feature_tokens, help="tokens per feature forward (rows x longest row)")
+    p.add_argument("--shard-convs", type=int, default=d.shard_convs, help="conversations per feature shard")
+    p.add_argument("--no-compile", dest="compile", action="store_false", help="run the batched decode step eagerly")
     p.add_argument("--temperature", type=float, default=d.temperature, help="answer sampling temperature")
     p.add_argument("--greedy-fraction", type=float, default=d.greedy_fraction, help="share of answers decoded greedily")
     p.add_argument("--top-p", type=float, default=d.top_p, help="answer top-p")
@@ -490,21 +313,26 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
     p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="stop cleanly after this long (rerun, with --resume once training started)")
     p.add_argument("--resume", action="store_true", help="continue training from --out/train_state.pt")
+    p.add_argument("--data-only", action="store_true", help="stop once the data is written (rerun to continue it)")
     p.add_argument("--init", type=Path, default=d.init, help="start from this head's weights instead of a fresh head")
     p.add_argument("--arch", choices=["eagle", "eagle3"], default=d.arch, help="eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test")
     p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle3: draft steps unrolled in training (official 7)")
     p.add_argument("--ttt-decay", type=float, default=d.ttt_decay, help="eagle3: loss weight decay per unrolled step (official 0.8)")
     p.add_argument("--autocast", choices=["auto", "on", "off"], default=d.autocast, help="bf16 autocast (auto: where bf16 matmul is native)")
     p.add_argument("--seed", type=int, default=d.seed)
+    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
     p.add_argument("--device", default=d.device, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
     return p
 
 
 def check_config(cfg: TrainConfig):
-    for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "epochs", "batch_size", "save_every", "ttt_steps"):
+    for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "feature_tokens", "shard_convs", "epochs",
+                 "batch_size", "save_every", "ttt_steps"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.holdout is not None and not cfg.holdout.exists():
+        raise UsageError(f"--holdout {cfg.holdout} does not exist")
     if cfg.draft_vocab < 0:
         raise UsageError("--draft-vocab must be >= 0")
     if not 0 <= cfg.greedy_fraction <= 1 or not 0 < cfg.top_p <= 1 or cfg.temperature <= 0:
@@ -521,21 +349,25 @@ def run(cfg: TrainConfig) -> int:
         from convert_hf_checkpoint import default_checkpoint
 
         checkpoint = default_checkpoint()
+    if cfg.threads:
+        torch.set_num_threads(cfg.threads)
     target = load_model(checkpoint, device, dtype).requires_grad_(False)
     tokenizer = load_tokenizer(checkpoint)
     cfg.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (cfg.max_seconds or math.inf)
-    requests = file_requests(cfg.prompts)[: cfg.num_prompts] if cfg.prompts else write_requests(cfg, target, tokenizer, deadline)
-    convs = answer_requests(cfg, target, tokenizer, requests, deadline)
-    if len(convs) < len(requests) or (not cfg.prompts and len(requests) < cfg.num_prompts and time.monotonic() > deadline):
+    convs, complete = distill.build(cfg, target, tokenizer, deadline)
+    if not complete:
         print(f"stopped after {cfg.max_seconds} s with {len(convs)} conversations: rerun to continue", file=sys.stderr)
+        return 0
+    if cfg.data_only:
+        print(f"data: {len(convs)} conversations in {cfg.data}", file=sys.stderr)
         return 0
     if not convs:
         raise UsageError("no usable requests: pass --prompts FILE.jsonl")
-    target.taps = eagle3_taps(target.args.n_layer) if cfg.arch == "eagle3" else ()  # add_features then records the fused states
+    target.taps = eagle3_taps(target.args.n_layer) if cfg.arch == "eagle3" else ()  # the stored records carry the fused states
     draft_vocab = (count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
                    if 0 < cfg.draft_vocab < target.args.vocab_size else torch.zeros(0, dtype=torch.long))
-    train(cfg, target, add_features(target, convs, cfg.gen_batch), draft_vocab, deadline)
+    train(cfg, target, distill.load_records(cfg.data, keys=("hidden", "fused") if cfg.arch == "eagle3" else ("hidden",)), draft_vocab, deadline)
     print(f"wrote {cfg.out / 'head'}", file=sys.stderr)
     return 0
 

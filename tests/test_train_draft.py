@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
+import distill
 import train_draft
 from draft import EagleHead, load_head
 from generate import Generator, Sampling, TreeSpec, encode_prompt, load_model
@@ -26,7 +27,7 @@ def write_tiny_checkpoint(out: Path):
     tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
     tok.decoder = decoders.ByteLevel()
     specials = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
-    tok.train_from_iterator(train_draft.SEEDS * 4, trainers.BpeTrainer(vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
+    tok.train_from_iterator(distill.SEEDS * 4, trainers.BpeTrainer(vocab_size=384, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
     tok.save(str(out / "tokenizer.json"))
     args = ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=tok.get_vocab_size(),
                      block_size=1024, chat_template="chatml", stop_tokens=[tok.token_to_id("<|im_end|>")])
@@ -87,23 +88,29 @@ def test_head_is_lossless_and_accepts(trained):
     assert sum(tau["trained"]) / 2 > 1.3 > sum(tau["fresh"]) / 2
 
 
-def test_batched_sampling_matches_single_rows(tmp_path):
+@pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
+def test_batched_sampling_matches_single_rows(tmp_path, compile):
     write_tiny_checkpoint(tmp_path)
     target, tok = load_model(tmp_path), load_tokenizer(tmp_path)
-    prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": t}], chat=True) for t in ["Explain", "Write a short poem about the sea"]]
-    assert len(prompts[0]) != len(prompts[1])  # so one row is left-padded
-    batched = train_draft.sample_batch(target, prompts, 16, torch.zeros(2), 1.0, target.args.stop_tokens)
-    for prompt, row in zip(prompts, batched):
-        assert row == Generator(target).generate(prompt, 16, Sampling(), target.args.stop_tokens).token_ids
+    texts = ["Explain", "Write a short poem about the sea", "How do I", "Describe a train leaving a station at night"]
+    prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": t}], chat=True) for t in texts]
+    assert len({len(p) for p in prompts}) > 1  # so rows are left-padded
+    # Rows of 3: the second call holds one prompt and two dummy rows; all greedy except a sampled row whose
+    # draws must not disturb the greedy rows beside it.
+    temperature = torch.tensor([0.0, 0.0, 1.0, 0.0])
+    batched = distill.sample_batch(target, prompts, 16, temperature, 1.0, target.args.stop_tokens, batch=3, compile=compile)
+    for prompt, row, t in zip(prompts, batched, temperature.tolist()):
+        if t == 0:
+            assert row == Generator(target).generate(prompt, 16, Sampling(), target.args.stop_tokens).token_ids
 
 
 def test_prompt_file(tmp_path):
     path = tmp_path / "prompts.jsonl"
     path.write_text('{"prompt": "Name a color."}\n{"turns": ["Hi there.", "And again?"]}\n')
-    assert train_draft.file_requests(path) == ["Name a color.", "Hi there."]
+    assert distill.file_requests(path) == ["Name a color.", "Hi there."]
     path.write_text('{"question": "x"}\n')
     with pytest.raises(train_draft.UsageError):
-        train_draft.file_requests(path)
+        distill.file_requests(path)
 
 
 def test_count_draft_vocab_ranks_answer_tokens_then_fills_by_id():

@@ -1,0 +1,69 @@
+# Throughput of the self-distillation data path on the embedded model: the batched sampler (B rows, N new
+# tokens, no stop so every row makes N) and the feature pass. Reports wall tok/s and tokens per CPU-second
+# (the machine is shared: CPU time is what a run costs), with the load average.
+#
+#   python benchmarks/distill_speed.py --dtype bfloat16 --threads 1                # this tree's distill.sample_batch
+#   cd OLD_CHECKOUT && python /path/to/benchmarks/distill_speed.py --no-compile   # before: train_draft.sample_batch
+import argparse
+import os
+import sys
+import time
+
+sys.path.insert(0, os.getcwd())
+import torch  # noqa: E402
+
+from convert_hf_checkpoint import default_checkpoint  # noqa: E402
+from generate import encode_prompt, load_model  # noqa: E402
+from tokenizer import load_tokenizer  # noqa: E402
+
+
+def timed(label: str, fn, tokens_of) -> None:
+    t0, c0 = time.perf_counter(), time.process_time()
+    n = tokens_of(fn())
+    wall, cpu = time.perf_counter() - t0, time.process_time() - c0
+    load = open("/proc/loadavg").read().split()[0]
+    print(f"{label}: {n} tokens in {wall:.2f} s, {n / wall:.1f} tok/s wall; cpu {cpu:.2f} s, {n / cpu:.1f} tok per cpu-s; load {load}", flush=True)
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--new-tokens", type=int, default=48)
+    p.add_argument("--runs", type=int, default=3)
+    p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--features", action="store_true", help="also time distill.featurize on 48 conversations of 150-400 tokens")
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    ck = default_checkpoint()
+    target, tok = load_model(ck, "cpu", getattr(torch, a.dtype)), load_tokenizer(ck)
+    try:
+        import distill
+
+        sample = lambda *args: distill.sample_batch(*args, batch=a.batch, compile=a.compile)  # noqa: E731
+        seeds, name = distill.SEEDS, "distill.sample_batch" + (" (compiled)" if a.compile else "")
+    except ImportError:  # a checkout from before distill.py
+        import train_draft
+
+        sample, seeds, name = train_draft.sample_batch, train_draft.SEEDS, "train_draft.sample_batch"
+    prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": s + " the sea"}], True)
+               for s in (seeds * (a.batch // len(seeds) + 1))[: a.batch]]
+    temperature = torch.tensor([0.0, 0.8] * (a.batch // 2) + [0.0] * (a.batch % 2))
+    torch.manual_seed(0)
+    for i in range(a.runs):  # the first run includes compilation
+        timed(f"{name} {a.dtype} B={a.batch} new={a.new_tokens} threads {a.threads} run {i}",
+              lambda: sample(target, prompts, a.new_tokens, temperature, 0.95, []), lambda rows: sum(map(len, rows)))
+    if a.features:
+        import distill
+
+        g = torch.Generator().manual_seed(0)
+        convs = [{"id": i, "prompt_len": 60, "tokens": torch.randint(0, target.args.vocab_size, (int(n),), generator=g).tolist()}
+                 for i, n in enumerate(torch.randint(150, 400, (48,), generator=g))]
+        for i in range(2):
+            timed(f"distill.featurize {a.dtype} threads {a.threads} run {i}", lambda: distill.featurize(target, convs, 16384),
+                  lambda shard: len(shard["tokens"]))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,440 @@
+# Self-distillation data for draft heads: the target writes requests, answers them, and its features are stored.
+#
+#   requests   from a jsonl file, or written by the target itself: its chat template up to the content of a user
+#              turn, an opener from SEEDS, sampled at temperature 1 until the turn ends; MT-bench look-alikes dropped
+#   answers    the target answers each request, B rows at once (left padding, fixed shapes, a compiled step)
+#   features   one right-padded forward per batch of conversations: post-norm states ("hidden", what the LM head
+#              reads) and EAGLE-3's fused input ("fused", the states entering three layers), bf16 safetensors shards
+#
+# Everything lives in one data directory and a rerun continues where the last one stopped; load_records reads it.
+import fcntl
+import json
+import math
+import os
+import random
+import re
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+from torch.nn.utils.rnn import pad_sequence
+from tqdm import tqdm
+
+from model import Transformer, causal_mask, eagle3_taps
+from tokenizer import format_chat
+
+REPO = Path(__file__).resolve().parent
+# Openers for self-written requests, so the target writes about many topics and task types.
+SEEDS = [
+    "Write a short poem about", "Write a haiku about", "Write a limerick about", "Write a story about",
+    "Write a dialogue between", "Give me a recipe for", "What is a healthy breakfast", "Write a Python function that",
+    "Write a JavaScript function that", "Write a SQL query that", "Debug this code:", "Explain", "Explain to a child",
+    "Explain the concept of", "Compare", "What is the difference between", "What are the pros and cons of", "Summarize",
+    "How do I", "How does", "Why does", "What causes", "What would happen if", "Is it true that", "Who was",
+    "Tell me about the history of", "What were the main causes of", "A train leaves a station at",
+    "If a store sells apples for", "Solve for x:", "Calculate", "How many", "Prove that", "Convert",
+    "Translate into French:", "Rewrite this sentence to be more formal:", "Write an email to my boss about",
+    "Help me write a cover letter for", "I have a job interview tomorrow for", "Give me tips on", "Give me a step-by-step guide to",
+    "What is the best way to", "Create a weekly workout plan for", "Plan a three-day trip to", "Recommend some books about",
+    "Suggest a name for", "Brainstorm ideas for", "Design a", "Outline an essay on", "Write a product description for",
+    "List five", "Describe",
+]  # fmt: skip
+SENTINEL = "\x00request\x00"
+HOLDOUT = next((p for p in (REPO / "data" / "mt_bench.jsonl", REPO.parent / "shared" / "data" / "mt_bench.jsonl") if p.exists()), None)
+SLOT_ROUND = 128  # cache lengths are rounded up to this, so the compiled step sees few shapes
+
+
+@dataclass
+class DataConfig:
+    out: Path = Path("out/train_draft")
+    data_dir: Optional[Path] = None  # requests, conversations and features; None: --out (several runs may share one)
+    prompts: Optional[Path] = None  # jsonl with "prompt" or "turns" (first turn); None: the target writes them
+    holdout: Optional[Path] = HOLDOUT  # benchmark questions (MT-bench) kept out of self-written requests
+    num_prompts: int = 2000
+    max_request_tokens: int = 96
+    max_answer_tokens: int = 256
+    gen_batch: int = 64  # rows generated at once (fixed: short batches are padded)
+    feature_tokens: int = 16384  # tokens per feature forward (rows x longest row)
+    shard_convs: int = 256  # conversations per feature shard
+    temperature: float = 0.8  # answers; requests are sampled at 1.0
+    greedy_fraction: float = 0.25  # answers decoded greedily, like the greedy runs the head serves
+    top_p: float = 0.95
+    compile: bool = True  # the batched decode step (fixed shapes, fullgraph)
+    seed: int = 0
+
+    @property
+    def data(self) -> Path:
+        return self.data_dir or self.out
+
+
+# ---------------------------------------------------------------- batched sampling
+
+def draw_rows(logits: Tensor, temperature: Tensor, top_p: float) -> Tensor:
+    """One token per row; temperature [B], 0 = greedy. sampling.py's rule (temperature, then top-p) in a form cheap
+    for many rows over a large vocabulary: the nucleus by bisection over float bits instead of a sort (7x less
+    work at 64 x 49152), one uniform draw per row against the CDF instead of an exponential per token."""
+    probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
+    if top_p < 1.0:
+        probs = probs * (probs.view(torch.int32) >= nucleus_floor(probs, top_p))
+    cdf = probs.cumsum(-1)
+    u = torch.rand(cdf.shape[0], 1, device=cdf.device) * cdf[:, -1:]
+    sampled = torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=cdf.shape[-1] - 1)
+    return torch.where(temperature == 0, logits.argmax(-1), sampled)
+
+
+def nucleus_floor(probs: Tensor, top_p: float) -> Tensor:
+    """[B, 1] bits of the smallest kept probability: top-p keeps the most likely tokens until their mass reaches
+    top_p, i.e. every p >= t for the largest t whose {p >= t} holds top_p. Positive floats order like their int32
+    bits, so 31 halvings of the bit range find t exactly."""
+    bits = probs.view(torch.int32)
+    lo, hi = torch.zeros_like(bits[:, :1]), bits.max(-1, keepdim=True).values
+    for _ in range(31):
+        mid = lo + (hi - lo + 1) // 2
+        enough = (probs * (bits >= mid)).sum(-1, keepdim=True) >= top_p
+        lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid - 1)
+    return lo
+
+
+def prefill_rows(target: Transformer, tokens: Tensor, pad: Tensor, temperature: Tensor, top_p: float) -> Tensor:
+    """Left-padded prompts [B, P] into cache slots [0, P); row b's prompt starts at slot pad[b]."""
+    slots = torch.arange(target.max_seq_length, device=tokens.device)
+    cache_pos = slots[: tokens.shape[1]]
+    mask = (slots >= pad[:, None, None]) & (slots <= cache_pos[:, None])
+    mask = mask | (slots == cache_pos[:, None])  # pad slots see only themselves, so they stay finite
+    h = target.features(tokens, (cache_pos - pad[:, None]).clamp(min=0), cache_pos, mask)
+    return draw_rows(target.output(h[:, -1]), temperature, top_p)
+
+
+def decode_rows(target: Transformer, x: Tensor, slot: Tensor, pad: Tensor, temperature: Tensor, top_p: float) -> Tensor:
+    """x [B] the tokens entering cache slot `slot` [1]: every shape fixed by (B, cache length), no host sync."""
+    slots = torch.arange(target.max_seq_length, device=x.device)
+    mask = ((slots >= pad[:, None]) & (slots <= slot))[:, None, :]  # [B, 1, S]
+    h = target.features(x[:, None], (slot - pad)[:, None], slot, mask)
+    return draw_rows(target.output(h[:, -1]), temperature, top_p)
+
+
+_compiled_decode = {}
+
+
+def decode_fn(compile: bool):
+    if not compile:
+        return decode_rows
+    if "fn" not in _compiled_decode:  # one compiled function: its cache holds a graph per (B, cache length)
+        _compiled_decode["fn"] = torch.compile(decode_rows, fullgraph=True, dynamic=False)
+    return _compiled_decode["fn"]
+
+
+@torch.inference_mode()
+def sample_batch(target: Transformer, prompts: list, max_new: int, temperature: Tensor, top_p: float, stop_ids,
+                 batch: int = 0, compile: bool = False) -> list:
+    """Continues the prompts at once, left-padded, in rows of `batch` (default: len(prompts); short batches are
+    padded with dummy rows so every call has the same shapes). Returns each row's new tokens, up to and
+    including its first stop."""
+    device = target.tok_embeddings.weight.device
+    batch = batch or len(prompts)
+    out_rows = []
+    for b in range(0, len(prompts), batch):
+        chunk, temps = prompts[b:b + batch], temperature[b:b + batch]
+        n = len(chunk)
+        chunk = chunk + [chunk[0][-1:]] * (batch - n)  # dummy rows: one token, greedy
+        temps = torch.cat([temps.float(), temps.new_zeros(batch - n, dtype=torch.float)]).to(device)
+        P = max(map(len, chunk))
+        S = -(-(P + max_new) // SLOT_ROUND) * SLOT_ROUND
+        if target.max_seq_length != S or target.layers[0].attention.kv_cache is None or target.layers[0].attention.kv_cache.k_cache.shape[0] != batch:
+            target.setup_caches(S, batch=batch)
+        pad = torch.tensor([P - len(p) for p in chunk], device=device)
+        tokens = torch.tensor([[0] * (P - len(p)) + p for p in chunk], device=device)
+        stop = torch.tensor(list(stop_ids) or [-1], dtype=torch.long, device=device)
+        step = decode_fn(compile)
+        out = [prefill_rows(target, tokens, pad, temps, top_p)]
+        done = torch.isin(out[0], stop)
+        slot = torch.tensor([P], device=device)
+        for t in range(1, max_new):
+            if t % 16 == 0 and bool(done[:n].all()):  # an occasional host sync, not one per step
+                break
+            out.append(step(target, out[-1], slot, pad, temps, top_p))
+            slot += 1
+            done |= torch.isin(out[-1], stop)
+        rows = torch.stack(out, 1)[:n].tolist()
+        out_rows += [row[: next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in rows]
+    return out_rows
+
+
+# ---------------------------------------------------------------- requests and answers
+
+def read_jsonl(path: Path) -> list:
+    return [json.loads(line) for line in path.read_text().splitlines() if line.strip()] if path.exists() else []
+
+
+def append_jsonl(path: Path, records: list):
+    with open(path, "a") as f:
+        f.writelines(json.dumps(r) + "\n" for r in records)
+
+
+def file_requests(path: Path) -> list:
+    from generate import UsageError  # lazily: the loading module (issue 12) will own it
+
+    requests = []
+    for r in read_jsonl(path):
+        text = r.get("prompt") or (r.get("turns") or [None])[0]
+        if not isinstance(text, str) or not text.strip():
+            raise UsageError(f"{path}: every line needs a non-empty 'prompt' or 'turns' field")
+        requests.append(text)
+    return requests
+
+
+def words(text: str) -> list:
+    return re.findall(r"[a-z0-9]+", text.lower())
+
+
+class Holdout:
+    """Benchmark questions kept out of training: a request matches one when it shares a run of n words with
+    it (n = 8, or the whole request when shorter), case and punctuation ignored."""
+
+    def __init__(self, path: Optional[Path], n: int = 8):
+        self.n, self.grams, self.whole = n, set(), set()
+        for r in read_jsonl(Path(path)) if path else []:
+            for turn in r.get("turns") or [r.get("prompt") or ""]:
+                w = words(turn)
+                self.whole.add(" ".join(w))
+                self.grams.update(" ".join(w[i:i + n]) for i in range(len(w) - n + 1))
+
+    def __contains__(self, text: str) -> bool:
+        w = words(text)
+        if len(w) < self.n:
+            return any(" ".join(w) in q for q in self.whole) if w else False
+        return any(" ".join(w[i:i + self.n]) in self.grams for i in range(len(w) - self.n + 1))
+
+
+def request_template(family: str) -> tuple:
+    """(text before a user turn's content, text that ends it) for the chat family."""
+    before, after = format_chat(family, [{"role": "user", "content": SENTINEL}], add_generation_prompt=False).split(SENTINEL)
+    return before, after.strip()
+
+
+def clean_request(text: str, end: str, specials) -> str:
+    text = text.split(end)[0] if end else text
+    for s in specials:  # template markup in a request would be parsed as structure when re-encoded
+        text = text.replace(s, "")
+    return text.strip()
+
+
+def write_requests(cfg: DataConfig, target: Transformer, tokenizer, want: int, deadline: float) -> list:
+    """Requests written by the target, appended to requests.jsonl until there are `want`."""
+    path, args = cfg.data / "requests.jsonl", target.args
+    holdout = Holdout(cfg.holdout)
+    requests = [r["request"] for r in read_jsonl(path)]
+    before, end = request_template(args.chat_template)
+    bos = [args.bos_token] if args.bos_token is not None else []
+    specials = list(getattr(tokenizer, "specials", {}))
+    rng, seen = random.Random(cfg.seed + len(requests)), set(requests)
+    torch.manual_seed(cfg.seed + len(requests))
+    temperature = torch.ones(cfg.gen_batch)
+    bar = tqdm(total=want, initial=min(len(requests), want), desc="requests", unit="req", file=sys.stderr)
+    dropped = 0
+    for _ in range(4 * math.ceil(max(want - len(requests), 0) / cfg.gen_batch)):  # bounded: a weak target may repeat itself
+        if len(requests) >= want or time.monotonic() > deadline:
+            break
+        openers = [rng.choice(SEEDS) for _ in range(cfg.gen_batch)]
+        prompts = [bos + tokenizer.encode(before + o) for o in openers]
+        new = []
+        rows = sample_batch(target, prompts, cfg.max_request_tokens, temperature, 0.95, args.stop_tokens, cfg.gen_batch, cfg.compile)
+        for opener, ids in zip(openers, rows):
+            text = clean_request(opener + tokenizer.decode(ids), end, specials)
+            if len(text.split()) > len(opener.split()) + 2 and text not in seen:
+                seen.add(text)
+                if text in holdout:
+                    dropped += 1
+                else:
+                    new.append(text)
+        new = new[: want - len(requests)]
+        append_jsonl(path, [{"request": r} for r in new])
+        requests += new
+        bar.update(len(new))
+    bar.close()
+    if dropped:
+        print(f"requests: dropped {dropped} that match a held-out benchmark question", file=sys.stderr)
+    return requests
+
+
+def answer_requests(cfg: DataConfig, target: Transformer, tokenizer, requests: list, deadline: float) -> list:
+    """Conversations {id, temperature, prompt_len, tokens} in conversations.jsonl (a rerun continues)."""
+    from generate import encode_prompt  # lazily: the loading module (issue 12) will own it
+
+    path, args = cfg.data / "conversations.jsonl", target.args
+    convs = read_jsonl(path)
+    answered = {c["id"] for c in convs}
+    todo = [(i, encode_prompt(tokenizer, args, [{"role": "user", "content": r}], bool(args.chat_template)))
+            for i, r in enumerate(requests) if i not in answered]
+    todo.sort(key=lambda item: len(item[1]))  # similar lengths share a batch: less left padding
+    rng = random.Random(cfg.seed + len(convs))
+    torch.manual_seed(cfg.seed + len(convs))
+    new_tokens, seconds = 0, 0.0
+    bar = tqdm(total=len(requests), initial=len(convs), desc="answers", unit="conv", file=sys.stderr)
+    for b in range(0, len(todo), cfg.gen_batch):
+        if time.monotonic() > deadline:
+            break
+        chunk = todo[b:b + cfg.gen_batch]
+        temps = [0.0 if rng.random() < cfg.greedy_fraction else cfg.temperature for _ in chunk]
+        t0 = time.perf_counter()
+        answers = sample_batch(target, [p for _, p in chunk], cfg.max_answer_tokens, torch.tensor(temps), cfg.top_p,
+                               args.stop_tokens, cfg.gen_batch, cfg.compile)
+        seconds += time.perf_counter() - t0
+        new_tokens += sum(map(len, answers))
+        batch = [{"id": i, "temperature": t, "prompt_len": len(p), "tokens": p + a} for (i, p), a, t in zip(chunk, answers, temps)]
+        append_jsonl(path, batch)
+        convs += batch
+        bar.update(len(batch))
+        bar.set_postfix(tok_s=f"{new_tokens / seconds:.0f}")
+    bar.close()
+    if new_tokens:
+        print(f"answers: {new_tokens} tokens in {seconds:.1f} s, {new_tokens / seconds:.1f} tokens/s", file=sys.stderr)
+    return convs
+
+
+# ---------------------------------------------------------------- features
+
+def feature_dir(data: Path) -> Path:
+    return data / "features"
+
+
+def shard_paths(data: Path) -> list:
+    return sorted(feature_dir(data).glob("shard-*.safetensors"))
+
+
+def featurised_ids(data: Path) -> set:
+    from safetensors import safe_open
+
+    done = set()
+    for path in shard_paths(data):
+        with safe_open(str(path), "pt") as f:
+            done.update(f.get_tensor("ids").tolist())
+    return done
+
+
+def read_safetensors_mmap(path: Path) -> dict:
+    """name -> tensor viewing a memory map of the file: pages are read when touched, never copied whole."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        header = json.loads(f.read(n))
+    header.pop("__metadata__", None)
+    data = torch.from_file(str(path), shared=False, size=os.path.getsize(path), dtype=torch.uint8)[8 + n:]
+    dtypes = {"BF16": torch.bfloat16, "F16": torch.float16, "F32": torch.float32, "I64": torch.int64, "I32": torch.int32}
+    return {name: data[a:b].view(dtypes[h["dtype"]]).view(h["shape"]) for name, h in header.items() for a, b in [h["data_offsets"]]}
+
+
+@torch.inference_mode()
+def featurize(target: Transformer, convs: list, max_tokens: int) -> dict:
+    """Conversations through the target in right-padded batches of at most max_tokens (rows x longest) -> one
+    shard's tensors: flat tokens, hidden [N, dim] and fused [N, 3 dim] in bf16, offsets, prompt_len, ids."""
+    device = target.tok_embeddings.weight.device
+    convs = sorted(convs, key=lambda c: len(c["tokens"]))
+    taps, target.taps = target.taps, eagle3_taps(target.args.n_layer)
+    hidden, fused = [], []
+    try:
+        b = 0
+        while b < len(convs):
+            e = b + 1  # rows sorted by length: grow the batch while rows x longest fits
+            while e < len(convs) and (e + 1 - b) * len(convs[e]["tokens"]) <= max_tokens:
+                e += 1
+            chunk, b = convs[b:e], e
+            tokens = pad_sequence([torch.tensor(c["tokens"]) for c in chunk], batch_first=True).to(device)
+            T = tokens.shape[1]
+            target.setup_caches(T, batch=len(chunk))
+            pos = torch.arange(T, device=device)
+            h, f = target.hidden(tokens, pos, pos, causal_mask(pos, T))
+            for row, c in enumerate(chunk):
+                n = len(c["tokens"])
+                hidden.append(h[row, :n].to(torch.bfloat16).cpu())
+                fused.append(f[row, :n].to(torch.bfloat16).cpu())
+    finally:
+        target.taps = taps
+    lengths = torch.tensor([len(c["tokens"]) for c in convs])
+    return {
+        "tokens": torch.tensor([t for c in convs for t in c["tokens"]], dtype=torch.int32),
+        "hidden": torch.cat(hidden),
+        "fused": torch.cat(fused),
+        "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
+        "prompt_len": torch.tensor([c["prompt_len"] for c in convs]),
+        "ids": torch.tensor([c["id"] for c in convs]),
+    }
+
+
+def write_features(cfg: DataConfig, target: Transformer, convs: list, deadline: float, final: bool = True) -> int:
+    """Features for conversations no shard holds yet, shard_convs per shard; a partial shard is written only when
+    `final` (more conversations may be coming). Returns the number of conversations featurised now."""
+    from safetensors.torch import save_file
+
+    out = feature_dir(cfg.data)
+    out.mkdir(parents=True, exist_ok=True)
+    done = featurised_ids(cfg.data)
+    todo = [c for c in convs if c["id"] not in done]
+    count, tokens, seconds = 0, 0, 0.0
+    index = len(shard_paths(cfg.data))
+    for b in range(0, len(todo), cfg.shard_convs):
+        chunk = todo[b:b + cfg.shard_convs]
+        if time.monotonic() > deadline or (len(chunk) < cfg.shard_convs and not final):
+            break
+        t0 = time.perf_counter()
+        shard = featurize(target, chunk, cfg.feature_tokens)
+        seconds += time.perf_counter() - t0
+        path = out / f"shard-{index:05d}.safetensors"
+        save_file(shard, str(path) + ".tmp")
+        os.replace(str(path) + ".tmp", path)  # a crash mid-write leaves no half shard
+        index, count, tokens = index + 1, count + len(chunk), tokens + len(shard["tokens"])
+        print(f"features: {path.name}, {len(chunk)} conversations, {len(shard['tokens'])} tokens, "
+              f"{tokens / seconds:.0f} tokens/s so far", file=sys.stderr)
+    return count
+
+
+def load_records(data: Path, keys=("hidden", "fused")) -> list:
+    """Every stored conversation: {"tokens": LongTensor[T], "prompt_len": int, "hidden": [T, dim] bf16,
+    "fused": [T, 3 dim] bf16}. Features are views of memory-mapped shards: nothing is read until used."""
+    records = []
+    for path in shard_paths(Path(data)):
+        shard = read_safetensors_mmap(path)
+        offsets, prompt_lens = shard["offsets"].tolist(), shard["prompt_len"].tolist()
+        for i, prompt_len in enumerate(prompt_lens):
+            a, b = offsets[i], offsets[i + 1]
+            record = {"tokens": shard["tokens"][a:b].long(), "prompt_len": prompt_len}
+            record.update({k: shard[k][a:b] for k in keys})
+            records.append(record)
+    return records
+
+
+# ---------------------------------------------------------------- the whole pipeline
+
+def build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, round_convs: int = 0) -> tuple:
+    """Requests, answers and features into cfg.data, in rounds of round_convs conversations (default: 8 batches)
+    so that a stop at any time leaves usable data. -> (conversations, True when all num_prompts are done)."""
+    cfg.data.mkdir(parents=True, exist_ok=True)
+    lock = open(cfg.data / ".lock", "w")  # two writers would interleave requests.jsonl and answer each other's ids
+    try:
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except BlockingIOError:
+        from generate import UsageError  # lazily: the loading module (issue 12) will own it
+
+        lock.close()
+        raise UsageError(f"{cfg.data} is being written by another process") from None
+    with lock:
+        return _build(cfg, target, tokenizer, deadline, round_convs)
+
+
+def _build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, round_convs: int) -> tuple:
+    round_convs = round_convs or max(cfg.shard_convs, 8 * cfg.gen_batch)
+    fixed = file_requests(cfg.prompts)[: cfg.num_prompts] if cfg.prompts else None
+    convs = read_jsonl(cfg.data / "conversations.jsonl")
+    while True:
+        want = min(cfg.num_prompts, len(convs) + round_convs)
+        requests = fixed[:want] if fixed is not None else write_requests(cfg, target, tokenizer, want, deadline)
+        convs = answer_requests(cfg, target, tokenizer, requests, deadline)
+        complete = len(convs) >= len(requests) and len(requests) >= (len(fixed) if fixed is not None else cfg.num_prompts)
+        stalled = fixed is None and len(requests) < want and time.monotonic() <= deadline  # the target stopped writing new ones
+        write_features(cfg, target, convs, deadline, final=complete or stalled or time.monotonic() > deadline)
+        if complete or stalled or time.monotonic() > deadline:
+            return convs, (complete or stalled) and {c["id"] for c in convs} <= featurised_ids(cfg.data)
+

@@ -1,0 +1,117 @@
+# distill.py: the batched sampler's rule, the stored features (the record contract EAGLE-1/2/3 training reads),
+# resumable shards, and the benchmark hold-out.
+import json
+
+import pytest
+import torch
+
+import distill
+import sampling
+from generate import encode_prompt, load_model
+from model import eagle3_taps
+from test_train_draft import write_tiny_checkpoint
+from tokenizer import load_tokenizer
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+def test_nucleus_floor_keeps_what_the_sort_rule_keeps():
+    torch.manual_seed(0)
+    for scale, top_p in [(3.0, 0.95), (0.5, 0.9), (8.0, 0.5)]:
+        probs = torch.softmax(torch.randn(16, 4096) * scale, dim=-1)
+        kept = probs.view(torch.int32) >= distill.nucleus_floor(probs, top_p)
+        assert torch.equal(kept, sampling.logits_to_probs(probs.log(), 1.0, 0, top_p) > 0)
+
+
+@pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
+def test_draw_rows_samples_the_target_rule(chi2_pvalue, temperature, top_p):
+    torch.manual_seed(1)
+    logits = torch.randn(1, 40)
+    rows = 40000
+    draws = distill.draw_rows(logits.expand(rows, -1), torch.full((rows,), temperature), top_p)
+    counts = torch.bincount(draws, minlength=40)
+    assert chi2_pvalue(counts, sampling.logits_to_probs(logits, temperature, 0, top_p)[0]) > 1e-3
+    # The test can fail: the same draws do not fit a rule without temperature and top-p.
+    assert chi2_pvalue(counts, torch.softmax(logits[0], -1)) < 1e-6 or temperature == 1.0
+
+
+def test_draw_rows_greedy_rows_take_the_argmax():
+    logits = torch.randn(8, 100)
+    temperature = torch.tensor([0.0, 1.0] * 4)
+    draws = distill.draw_rows(logits, temperature, 0.9)
+    assert torch.equal(draws[::2], logits[::2].argmax(-1))
+
+
+def test_holdout_drops_benchmark_questions(tmp_path):
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"turns": ["Compose an engaging travel blog post about a recent trip to Hawaii, highlighting cultural experiences.", "Rewrite it."]}) + "\n")
+    holdout = distill.Holdout(bench)
+    assert "Please compose an engaging travel blog post about a recent trip to Hawaii!" in holdout
+    assert "compose an ENGAGING travel-blog post, about a recent trip to hawaii" in holdout
+    assert "Rewrite it" in holdout  # short requests match a whole question
+    assert "Write an engaging travel blog post about a trip to Paris." not in holdout
+    assert "Rewrite this sentence" not in holdout
+    assert "x" not in distill.Holdout(None)
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("tiny")
+    write_tiny_checkpoint(ckpt)
+    return ckpt
+
+
+def test_write_requests_skips_holdout(tiny, tmp_path, monkeypatch):
+    target, tok = load_model(tiny), load_tokenizer(tiny)
+    cfg = distill.DataConfig(out=tmp_path, max_request_tokens=24, gen_batch=4, compile=False)
+    requests = distill.write_requests(cfg, target, tok, 4, float("inf"))
+    assert len(requests) == 4
+    # The same run again with its second request held out: that request never comes back.
+    bench = tmp_path / "bench.jsonl"
+    bench.write_text(json.dumps({"turns": [requests[1]]}) + "\n")
+    (tmp_path / "requests.jsonl").unlink()
+    again = distill.write_requests(distill.DataConfig(**{**cfg.__dict__, "holdout": bench}), target, tok, 4, float("inf"))
+    assert requests[1] not in again and again[0] == requests[0] and again[1] == requests[2]
+
+
+def test_one_writer_per_data_dir(tiny, tmp_path):
+    import fcntl
+
+    from generate import UsageError
+
+    with open(tmp_path / ".lock", "w") as held:
+        fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        with pytest.raises(UsageError, match="another process"):
+            distill.build(distill.DataConfig(out=tmp_path, compile=False), load_model(tiny), load_tokenizer(tiny), float("inf"))
+
+
+def test_features_are_the_targets_states_and_resume(tiny, tmp_path):
+    target, tok = load_model(tiny), load_tokenizer(tiny)
+    cfg = distill.DataConfig(out=tmp_path, prompts=None, num_prompts=5, max_request_tokens=24, max_answer_tokens=20,
+                             gen_batch=4, shard_convs=2, feature_tokens=64, greedy_fraction=1.0, compile=False)
+    convs, complete = distill.build(cfg, target, tok, float("inf"), round_convs=3)
+    assert complete and len(convs) == 5
+    assert len(distill.shard_paths(tmp_path)) == 3  # round 1 (3 conversations): a shard of 2; round 2: the rest, 2 + 1
+    assert distill.write_features(cfg, target, convs, float("inf")) == 0  # a rerun finds everything done
+    records = distill.load_records(tmp_path)
+    assert sorted(tuple(r["tokens"].tolist()) for r in records) == sorted(tuple(c["tokens"]) for c in convs)
+    taps = eagle3_taps(target.args.n_layer)
+    for r in records:
+        T, dim = len(r["tokens"]), target.args.dim
+        assert set(r) == {"tokens", "prompt_len", "hidden", "fused"}
+        assert r["tokens"].dtype == torch.long and isinstance(r["prompt_len"], int)
+        assert r["hidden"].shape == (T, dim) and r["fused"].shape == (T, 3 * dim) and r["hidden"].dtype == torch.bfloat16
+        # One sequence alone through the target: the stored states are its states (bf16 rounding).
+        target.setup_caches(T)
+        target.taps = taps
+        pos = torch.arange(T)
+        with torch.inference_mode():
+            h, fused = target.hidden(r["tokens"][None], pos, pos, torch.tril(torch.ones(T, T, dtype=torch.bool)))
+        target.taps = ()
+        torch.testing.assert_close(r["hidden"].float(), h[0], atol=0.02 * h.abs().max().item(), rtol=0.02)
+        torch.testing.assert_close(r["fused"].float(), fused[0], atol=0.02 * fused.abs().max().item(), rtol=0.02)
+        # Greedy answers: the LM head over the stored hidden state picks the next token.
+        answer = slice(r["prompt_len"] - 1, T - 1)
+        with torch.inference_mode():
+            predicted = target.output(h[0, answer]).argmax(-1)
+        assert torch.equal(predicted, r["tokens"][r["prompt_len"]:])
