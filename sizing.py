@@ -117,21 +117,22 @@ def cache_key(target, head) -> str:
             f"x{a.intermediate_size}x{a.vocab_size}|draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}")
 
 
-def cache_path() -> Path:
-    return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / "tree_sizes.json"
+def cache_path(name: str = "tree_sizes.json") -> Path:
+    """A per-machine measurement cache in $EAGLET_CACHE (tree sizes here; dtypes.py's dtype choice too)."""
+    return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / name
 
 
-def _cache() -> dict:
-    path = cache_path()
+def _cache(name: str = "tree_sizes.json") -> dict:
+    path = cache_path(name)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _store(key: str, entry: dict):
+def _store(key: str, entry: dict, name: str = "tree_sizes.json"):
     if tp.rank() != 0:
         return
-    cache = _cache()
+    cache = _cache(name)
     cache[key] = entry
-    path = cache_path()
+    path = cache_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache, indent=2) + "\n")
