@@ -321,16 +321,18 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
 #   cpp_wrapper  the graph calls its kernels from C++, no Python between them (the CPU's answer to CUDA graphs).
 # max_autotune (CPP GEMM templates) measured slower at one row and multiplies compile time, so it stays off.
 CPU_INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+# CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quantize.QuantLinear.
+CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
 
 
 def compiled(fn, device=None, **kw):
     """torch.compile(fullgraph) with this device's Inductor settings. Compiled artefacts persist in Inductor's
     on-disk caches (FX graph and kernel caches), so a second process with the same model warms up faster."""
-    if device is not None and torch.device(device).type == "cpu":
+    if device is not None:
         import torch._inductor.config as inductor_config
 
         # Global, not options=: Dynamo reads `freezing` while tracing (to guard the frozen weights).
-        for key, value in CPU_INDUCTOR.items():
+        for key, value in (CPU_INDUCTOR if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
             setattr(inductor_config, key, value)
     return torch.compile(fn, fullgraph=True, **kw)
 
