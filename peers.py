@@ -163,6 +163,7 @@ def llama_cpp_model(checkpoint: Path, qtype: str, n_ctx: int, threads: int):
 def llama_cpp_generate(llm, prompt: list, max_new_tokens: int, stop_ids) -> tuple:
     """-> (new token ids, seconds), greedy."""
     out = []
+    llm.reset()  # else llama-cpp-python keeps the KV of the prefix shared with the last prompt (the system prompt)
     t0 = time.perf_counter()
     for token in llm.generate(prompt, top_k=1, top_p=1.0, min_p=0.0, temp=0.0, repeat_penalty=1.0, reset=True):
         out.append(token)
