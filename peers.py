@@ -130,7 +130,7 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str) -> Path:
         if not matrix:  # norms stay fp32, as llama.cpp's converter writes them
             writer.add_tensor(name, a)
             return
-        writer.add_tensor(name, gguf.quants.quantize(a, kind), raw_shape=a.shape, raw_dtype=kind)
+        writer.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)  # bytes; the writer derives the shape
 
     add("token_embd.weight", state["tok_embeddings.weight"], True)
     add("output_norm.weight", state["norm.weight"], False)
