@@ -123,23 +123,32 @@ def bench(a) -> dict:
         ns.speculate = mode
         gen = base if mode == "none" else _mode_generator(ns, target)
         results[mode], outputs[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
+        _partial(a, base, conversations, results)
     for q in a.quantize.split(",") if a.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
         qtarget = quantize.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
         name = f"none {q}"
         results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=a.compile), tokenizer, margs, conversations, a, sampling)
         results[name]["mode"] = name
+        _partial(a, base, conversations, results)
         del qtarget
     runners = peers.peer_runners(ns.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
                                  longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
     for name, run in runners.items():
         results[name], outputs[name] = _timed_row(name, run, tokenizer, margs, conversations, a, sampling)
+        _partial(a, base, conversations, results)
     if "none" in results:
         for name, row in results.items():
             row["speedup"] = round(row["tokens_per_s"] / results["none"]["tokens_per_s"], 3)
             if name != "none" and a.temperature == 0:
                 row["greedy_agreement"] = greedy_agreement(outputs["none"], outputs[name])
     return report(a, base, conversations, results)
+
+
+def _partial(a, gen, conversations, results):
+    """Rows so far, to --json-out with "partial": a long run that is stopped keeps what it measured."""
+    if a.json_out:
+        a.json_out.write_text(json.dumps(report(a, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
 
 
 def greedy_agreement(reference: list, outputs: list) -> dict:
