@@ -77,10 +77,11 @@ def compiled_files(cache: Path) -> dict:
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
 def test_second_process_reuses_the_compiled_kernels(tmp_path):
-    """A second process with the same model builds no compiled code of its own: every shared object it runs
-    (the C++ kernels and, with cpp_wrapper, each graph's wrapper) was built by the first, untouched, and it
-    decodes the same tokens. (Inductor's FX graph cache cannot hold a graph with oneDNN-prepacked weights, so
-    Dynamo and Inductor's lowering still run; the timings are printed, not asserted: the machine is shared.)"""
+    """A second process with the same model reuses every compiled C++ kernel of the first from disk: each shared
+    object the first built is still there untouched, and the only ones the second adds are cpp_wrapper's
+    per-graph wrappers (`*.main.so`, whose source names this process's frozen constants). Inductor's FX graph
+    cache cannot hold a graph with oneDNN-prepacked weights, so Dynamo and the lowering run again: measured
+    here cold 308.9 s, warm 249.2 s on a loaded machine (BENCHMARKS.md). Timings are printed, not asserted."""
     cache = tmp_path / "inductor"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
     script = WARM_START.format(repo=str(REPO), tests=str(REPO / "tests"))
@@ -94,4 +95,7 @@ def test_second_process_reuses_the_compiled_kernels(tmp_path):
     warm = run()
     print(f"cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s")
     assert warm["tokens"] == cold["tokens"]
-    assert len(built) >= 3 and compiled_files(cache) == built  # prefill, decode step, cycle at least; nothing rebuilt
+    after = compiled_files(cache)
+    kernels = {k: v for k, v in built.items() if not k.endswith(".main.so")}
+    assert len(kernels) >= 3 and all(after[k] == v for k, v in kernels.items())
+    assert all(k.endswith(".main.so") for k in set(after) - set(built))
