@@ -1,6 +1,7 @@
 # tokens/s benchmark: vanilla and speculative modes in one process, on the same prompts and template.
 # Warm-up (and compile) time is excluded from the figures and reported apart.
 import argparse
+import copy
 import json
 import resource
 import sys
@@ -10,10 +11,13 @@ from pathlib import Path
 
 import torch
 
+import dtypes
 import generate
+import peers
 import quantize
 import sizing
 import tp
+from convert_hf_checkpoint import default_checkpoint
 from draft import EagleHead
 from generate import Generator, Sampling, TreeSpec, UsageError
 from model import ModelArgs, Transformer, one_line
@@ -55,21 +59,26 @@ class Lap:
         self.t = now
 
 
-def run_mode(gen: Generator, tokenizer, margs, conversations, a, sampling, progress=True) -> dict:
-    """Generates an answer for every turn (first turns unless --multi-turn); returns totals."""
-    totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0)
+def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None) -> dict:
+    """Generates an answer for every turn (first turns unless --multi-turn); returns totals and every answer's
+    token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds)."""
+    totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[])
     it = conversations
     if progress:
         from tqdm import tqdm
 
-        it = tqdm(conversations, desc=gen.spec.mode if gen.spec else "none", file=sys.stderr, leave=False)
+        it = tqdm(conversations, desc=name or (gen.spec.mode if gen.spec else "none"), file=sys.stderr, leave=False)
     for turns in it:
         messages = []
         for turn in turns if a.multi_turn else turns[:1]:
             messages.append({"role": "user", "content": turn})
             prompt = generate.encode_prompt(tokenizer, margs, messages, chat=True)
             torch.manual_seed(a.seed)
-            r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens)
+            if isinstance(gen, Generator):
+                r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens)
+            else:
+                r = generate.Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
+            totals["outputs"].append(r.token_ids)
             totals["new_tokens"] += len(r.token_ids)
             totals["seconds"] += r.seconds
             totals["turns"] += 1
@@ -115,15 +124,50 @@ def bench(a) -> dict:
     target = base.target
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = Sampling(a.temperature, a.top_k, a.top_p)
-    results = {}
+    results, outputs = {}, {}
     for mode in a.modes.split(","):
         ns.speculate = mode
         gen = base if mode == "none" else _mode_generator(ns, target)
-        results[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
+        results[mode], outputs[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
+        _partial(a, base, conversations, results)
+    for q in a.quantize.split(",") if a.quantize else ():
+        # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
+        qtarget = quantize.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
+        name = f"none {q}"
+        results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=a.compile), tokenizer, margs, conversations, a, sampling)
+        results[name]["mode"] = name
+        _partial(a, base, conversations, results)
+        del qtarget
+    runners = peers.peer_runners(ns.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
+                                 longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
+    for name, run in runners.items():
+        results[name], outputs[name] = _timed_row(name, run, tokenizer, margs, conversations, a, sampling)
+        _partial(a, base, conversations, results)
     if "none" in results:
-        for row in results.values():
+        for name, row in results.items():
             row["speedup"] = round(row["tokens_per_s"] / results["none"]["tokens_per_s"], 3)
+            if name != "none" and a.temperature == 0:
+                row["greedy_agreement"] = greedy_agreement(outputs["none"], outputs[name])
     return report(a, base, conversations, results)
+
+
+def _partial(a, gen, conversations, results):
+    """Rows so far, to --json-out with "partial": a long run that is stopped keeps what it measured."""
+    if a.json_out:
+        a.json_out.write_text(json.dumps(report(a, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
+
+
+def greedy_agreement(reference: list, outputs: list) -> dict:
+    """How far greedy answers follow vanilla's: the share of answers identical token for token, and for each
+    answer the first position where they differ (None: identical). Exact in fp32; in bf16 a verify over many rows
+    and a one-row decode run different kernels, so near-ties can break differently (README, Losslessness)."""
+    first = []
+    for ref, out in zip(reference, outputs):
+        diff = next((i for i, (x, y) in enumerate(zip(ref, out)) if x != y), None)
+        if diff is None and len(ref) != len(out):
+            diff = min(len(ref), len(out))
+        first.append(diff)
+    return {"identical_share": round(sum(d is None for d in first) / max(len(first), 1), 4), "first_divergence": first}
 
 
 def longest_context(tokenizer, margs, conversations, a) -> int:
@@ -136,24 +180,29 @@ def longest_context(tokenizer, margs, conversations, a) -> int:
     return max(map(length, conversations))
 
 
-def _timed_row(mode: str, gen: Generator, tokenizer, margs, conversations, a, sampling) -> dict:
-    # Caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing.
-    gen.reserve(longest_context(tokenizer, margs, conversations, a))
+def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling) -> tuple:
+    """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode)."""
+    ours = isinstance(gen, Generator)
+    if ours:  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
+        gen.reserve(longest_context(tokenizer, margs, conversations, a))
     t0 = time.perf_counter()
     run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False)  # warm-up and compile
     warmup = time.perf_counter() - t0
-    if gen.device.type == "cuda":
+    device = gen.device if ours else torch.device("cpu")
+    if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling)
+    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling, name=mode)
     row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
            "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
-           "peak_memory_mb": round(peak_memory_mb(gen.device), 1)}
+           "peak_memory_mb": round(peak_memory_mb(device), 1)}
+    if not ours:
+        return row, tot["outputs"]
     if gen.spec:
         row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
                    **generate.acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
         if a.split:
             row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
-    return row
+    return row, tot["outputs"]
 
 
 def sweep(a) -> dict:
@@ -166,10 +215,10 @@ def sweep(a) -> dict:
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = Sampling(a.temperature, a.top_k, a.top_p)
-    rows = [_timed_row("none", Generator(target, compile=a.compile), tokenizer, margs, conversations, a, sampling)]
+    rows = [_timed_row("none", Generator(target, compile=a.compile), tokenizer, margs, conversations, a, sampling)[0]]
     for m, depth, k in options:
         gen = Generator(target, TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m), head, compile=a.compile)
-        rows.append(_timed_row("eagle2", gen, tokenizer, margs, conversations, a, sampling))
+        rows.append(_timed_row("eagle2", gen, tokenizer, margs, conversations, a, sampling)[0])
         rows[-1]["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
     sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile)
@@ -196,7 +245,7 @@ def shape_bench(a) -> dict:
     step, one eagle2 cycle (its acceptance is meaningless, its time is not), their ratio, and the tokens/s
     a head with τ = --assume-tau would give at that cycle time; plus the verify costs r(T) sizing.py uses."""
     device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.type == "cuda" else torch.float32)
+    dtype = getattr(torch, a.dtype) if a.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
     args = SHAPES[a.random_shape]
     torch.manual_seed(a.seed)
     with torch.device(device):
@@ -247,15 +296,17 @@ def _shape(spec: dict) -> str:
 def print_table(report: dict):
     print(f"device {report['device']}, {report['dtype']}, compile {report['compile']}, T={report['temperature']}, "
           f"{report['num_conversations']} conversations, {report['max_new_tokens']} new tokens")
-    print(f"{'mode':12} {'tree':12} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'cycle ms':>9} {'warmup s':>9} {'peak MB':>8}"
+    print(f"{'mode':20} {'tree':12} {'tok/s':>9} {'speedup':>8} {'tau':>6} {'cycle ms':>9} {'warmup s':>9} {'peak MB':>8} {'same':>5}"
           "  per-depth acceptance / split ms")
     for r in report["modes"].values():
         shape = _shape(r["spec"]) if r.get("spec", {}).get("mode") == "eagle2" else ""
         extra = " ".join(f"{x:.2f}" for x in r.get("accept_rate_per_depth", []))
         if "split_ms" in r:
             extra += "  | " + " ".join(f"{k} {v}" for k, v in r["split_ms"].items())
-        print(f"{r['mode']:12} {shape:12} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
-              f"{r.get('cycle_ms', 1000 * r['seconds'] / max(r['new_tokens'], 1)):9.2f} {r['warmup_s']:9.2f} {r['peak_memory_mb']:8.0f}  {extra}")
+        same = r.get("greedy_agreement", {}).get("identical_share")  # share of answers identical to vanilla's
+        print(f"{r['mode']:20} {shape:12} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
+              f"{r.get('cycle_ms', 1000 * r['seconds'] / max(r['new_tokens'], 1)):9.2f} {r['warmup_s']:9.2f} {r['peak_memory_mb']:8.0f} "
+              f"{'' if same is None else f'{same:.2f}':>5}  {extra}")
 
 
 def main(argv=None) -> int:
@@ -285,7 +336,10 @@ def main(argv=None) -> int:
                    help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default")
     p.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
                    help="time the decode step and an eagle2 cycle on random weights of this shape (no checkpoint)")
-    p.add_argument("--quantize", choices=["int8", "int4"], default=None, help="with --random-shape: quantise the target")
+    p.add_argument("--quantize", default=None, metavar="int8,int4",
+                   help="also time vanilla on a weight-only quantised copy of the target (with --random-shape: quantise the target)")
+    p.add_argument("--peers", default=None, metavar="transformers,llama.cpp",
+                   help="also time HF transformers generate (plain, prompt lookup 10) and llama.cpp (bf16, Q8_0, Q4_1 GGUF) on the same prompts")
     p.add_argument("--groupsize", type=int, default=32, help="with --quantize int4")
     p.add_argument("--assume-tau", type=float, default=4.7, help="with --random-shape: tau for the implied tokens/s (EAGLE-2 paper: 4.7)")
     p.add_argument("--json-out", type=Path, default=None)
@@ -299,6 +353,12 @@ def main(argv=None) -> int:
             raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
         for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads
             generate.check_args(generate_args(a, mode))
+        for flag, value, known in (("--quantize", a.quantize, quantize.MODES), ("--peers", a.peers, peers.PEERS)):
+            unknown = set((value or "").split(",")) - set(known) if value is not None else set()
+            if unknown:
+                raise UsageError(f"unknown {flag} {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+        if a.random_shape and a.quantize and "," in a.quantize:
+            raise UsageError("--random-shape takes one --quantize mode")
         result = shape_bench(a) if a.random_shape else sweep(a) if a.sweep else bench(a)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)

@@ -19,6 +19,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import dtypes
 import lookup
 import quantize
 import sizing
@@ -346,7 +347,28 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
     )
 
 
-def compiled(fn, **kw):
+# Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them).
+# Measured on a 2-core AMD EPYC, bf16 SmolLM2-135M vanilla, see BENCHMARKS.md:
+#   freezing     weights become graph constants, so oneDNN receives them prepacked once instead of reordering
+#                them on every call (the largest single gain). Only what a graph never writes is folded:
+#                Inductor keeps every mutated input (KV caches, SpecState) a live buffer, and Dynamo guards the
+#                frozen tensors by identity, so another model's weights recompile instead of reusing these.
+#   cpp_wrapper  the graph calls its kernels from C++, no Python between them (the CPU's answer to CUDA graphs).
+# max_autotune (CPP GEMM templates) measured slower at one row and multiplies compile time, so it stays off.
+CPU_INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+# CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quantize.QuantLinear.
+CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
+
+
+def compiled(fn, device=None, **kw):
+    """torch.compile(fullgraph) with this device's Inductor settings. Compiled artefacts persist in Inductor's
+    on-disk caches (FX graph and kernel caches), so a second process with the same model warms up faster."""
+    if device is not None:
+        import torch._inductor.config as inductor_config
+
+        # Global, not options=: Dynamo reads `freezing` while tracing (to guard the frozen weights).
+        for key, value in (CPU_INDUCTOR if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
+            setattr(inductor_config, key, value)
     # Dynamo keeps its cache, and its recompile budget (8 variants), per code object. Every Generator
     # compiles a copy of the step with a code object of its own, so a process that runs many tree shapes
     # (bench --sweep, a test suite) never shares one budget across them; fullgraph would make the ninth a hard error.
@@ -357,8 +379,8 @@ def compiled(fn, **kw):
 def sizing_compile(target: Transformer):
     """How sizing.py compiles the passes it times: as the Generator compiles its steps, with the number of
     rows dynamic so one graph serves every tree size."""
-    mode = "reduce-overhead" if target.tok_embeddings.weight.device.type == "cuda" else None
-    return lambda fn: compiled(fn, dynamic=True, mode=mode)
+    device = target.tok_embeddings.weight.device
+    return lambda fn: compiled(fn, device, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)
 
 
 class Generator:
@@ -382,11 +404,11 @@ class Generator:
         if compile:
             cuda = self.device.type == "cuda"
             mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
-            self.prefill = compiled(prefill, dynamic=True)
-            self.decode_one = compiled(decode_one, mode=mode)
-            self.cycle = compiled(self.cycle, mode=mode)
+            self.prefill = compiled(prefill, self.device, dynamic=True)
+            self.decode_one = compiled(decode_one, self.device, mode=mode)
+            self.cycle = compiled(self.cycle, self.device, mode=mode)
             if spec and spec.mode == "lookup":
-                self.plain_cycle = compiled(lookup_step, mode=mode)
+                self.plain_cycle = compiled(lookup_step, self.device, mode=mode)
 
     def reserve(self, max_len: int):
         """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit."""
@@ -491,8 +513,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: float32 on CPU, bfloat16 on CUDA")
-    p.add_argument("--compile", action="store_true", help="torch.compile the steps (CUDA graphs on a GPU)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, measured once per machine (dtypes.py)")
+    p.add_argument("--compile", action="store_true", help="torch.compile the steps (CUDA graphs on a GPU; Inductor freezing and C++ wrapper on a CPU)")
     p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
@@ -574,7 +596,6 @@ def setup(a):
     """CLI args -> (Generator, tokenizer, model args). Raises UsageError on bad input."""
     check_args(a)
     device = a.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, a.dtype) if a.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
     checkpoint = a.checkpoint
     if checkpoint is None:
         from convert_hf_checkpoint import default_checkpoint
@@ -584,6 +605,7 @@ def setup(a):
         except FileNotFoundError as e:
             raise UsageError(str(e)) from None
     tp_rank = tp.maybe_init_dist()
+    dtype = getattr(torch, a.dtype) if a.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
     # Under tensor parallelism the target is sharded on the CPU, so each GPU receives only its slice.
     target = load_model(checkpoint, "cpu" if tp_rank is not None else device, dtype)
     if tp_rank is not None:

@@ -128,6 +128,17 @@ class QuantLinear(nn.Module):
     def _pack(self):
         device, dtype = self.weight.device, self.scales.dtype
         if self.mode == "int8":
+            # Which int8 kernel where (measured):
+            #   CPU   torch._weight_int8pack_mm with the activations' dtype: at one row it reads the int8 weight
+            #         once: 13 us against 50 us for the bf16 F.linear on a 1536x576 layer, 0.86 ms against 2.07 ms
+            #         on the 49152-row LM head (2-core AMD EPYC, issue 14); fp32 activations made the whole int8
+            #         decode 0.29x fp32, so run it in bf16 (dtypes.py's default where bf16 is native).
+            #   CUDA  gpt-fast's F.linear(x, w.to(x.dtype)) * scales (weight_only_mm's fallback), which Inductor
+            #         fuses into one GEMV (compiled() turns on coordinate-descent tuning there): the pack kernel is
+            #         one thread per output with a serial loop over K, and a 10-row draft step reads every weight
+            #         row 10 times.
+            if device.type != "cpu":
+                return
             self.kernel = "int8pack"
         elif device.type == "cpu" and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).int(), 2)
@@ -265,7 +276,7 @@ def quantize_checkpoint(checkpoint: Path, out: Path, mode: str, groupsize: int =
 
 
 @torch.inference_mode()
-def logit_error(checkpoint_dir, quant_dir, device="cpu", prompt_ids=None) -> dict:
+def logit_error(checkpoint_dir, quant_dir, device="cpu", prompt_ids=None, dtype=None) -> dict:
     """Logits of the quantised checkpoint against the float one over one prompt (EVAL_TEXT by default):
     max and mean |delta logit| and how often the two agree on the top-1 token."""
     from generate import load_model
@@ -275,7 +286,7 @@ def logit_error(checkpoint_dir, quant_dir, device="cpu", prompt_ids=None) -> dic
         from tokenizer import load_tokenizer
 
         prompt_ids = load_tokenizer(checkpoint_dir).encode(EVAL_TEXT)
-    dtype = torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16
+    dtype = dtype or (torch.float32 if torch.device(device).type == "cpu" else torch.bfloat16)
     x = torch.tensor([prompt_ids], device=device)
     pos = torch.arange(x.shape[1], device=device)
     logits = []
@@ -291,6 +302,7 @@ def logit_error(checkpoint_dir, quant_dir, device="cpu", prompt_ids=None) -> dic
         "mean_abs_delta": round(delta.mean().item(), 4),
         "top1_agreement": round((quant.argmax(-1) == ref.argmax(-1)).float().mean().item(), 4),
         "ref_logit_std": round(ref.std().item(), 4),
+        "dtype": str(dtype).removeprefix("torch."),
     }
 
 
@@ -306,7 +318,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", type=Path, default=None, help="default: CHECKPOINT-int8 / CHECKPOINT-int4-gG")
     p.add_argument("--eval-against", type=Path, metavar="FLOAT_DIR", default=None,
                    help="instead of quantising, print the logit error of --checkpoint (quantised) against FLOAT_DIR as JSON")
-    p.add_argument("--device", default="cpu", help="for --eval-against (bf16 on CUDA, fp32 on CPU)")
+    p.add_argument("--device", default="cpu", help="for --eval-against")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=None,
+                   help="for --eval-against: both models run in it (default: bf16 on CUDA, fp32 on CPU)")
     return p
 
 
@@ -316,7 +330,7 @@ def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
         if a.eval_against is not None:
-            print(json.dumps(logit_error(a.eval_against, a.checkpoint, a.device)))
+            print(json.dumps(logit_error(a.eval_against, a.checkpoint, a.device, dtype=getattr(torch, a.dtype) if a.dtype else None)))
             return 0
         if a.mode is None:
             raise UsageError("--mode int8|int4 is required (or --eval-against FLOAT_DIR)")

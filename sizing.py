@@ -128,21 +128,22 @@ def cache_key(target, head, compiled: bool = False) -> str:
             + ("|compiled" if compiled else ""))
 
 
-def cache_path() -> Path:
-    return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / "tree_sizes.json"
+def cache_path(name: str = "tree_sizes.json") -> Path:
+    """A per-machine measurement cache in $EAGLET_CACHE (tree sizes here; dtypes.py's dtype choice too)."""
+    return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / name
 
 
-def _cache() -> dict:
-    path = cache_path()
+def _cache(name: str = "tree_sizes.json") -> dict:
+    path = cache_path(name)
     return json.loads(path.read_text()) if path.exists() else {}
 
 
-def _store(key: str, entry: dict):
+def _store(key: str, entry: dict, name: str = "tree_sizes.json"):
     if tp.rank() != 0:
         return
-    cache = _cache()
+    cache = _cache(name)
     cache[key] = entry
-    path = cache_path()
+    path = cache_path(name)
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_suffix(f".{os.getpid()}.tmp")
     tmp.write_text(json.dumps(cache, indent=2) + "\n")

@@ -25,7 +25,7 @@ def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
     out = root / "report.json"
     argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--draft-checkpoint", str(root / "ckpt"),
             "--modes", "none,eagle2,eagle,sps", "--prompts", str(prompts), "--max-new-tokens", "12",
-            "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--multi-turn", "--split", "--json-out", str(out)]
+            "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--multi-turn", "--split", "--dtype", "float32", "--json-out", str(out)]
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     modes = report["modes"]
@@ -72,3 +72,28 @@ def test_random_shape_times_a_cycle_against_a_decode_step(tmp_path, capsys):
     assert eagle2["implied_tokens_per_s"] == pytest.approx(4.7 * 1000 / eagle2["step_ms"], rel=1e-2)
     assert set(result["costs"]["verify"]) == {"3", "5", "7", "9", "13", "17", "25", "33", "49", "61"}
     assert "decode step" in capsys.readouterr().out
+
+
+def test_quantized_rows_peers_and_greedy_agreement(setup_dirs, tmp_path, capsys):
+    """--quantize adds vanilla rows on quantised copies, --peers runs HF transformers on the same prompt ids,
+    and every row says how far its greedy answers follow vanilla's."""
+    pytest.importorskip("transformers")
+    root, prompts = setup_dirs
+    out = tmp_path / "report.json"
+    argv = ["--checkpoint", str(root / "ckpt"), "--modes", "none", "--prompts", str(prompts), "--max-new-tokens", "12",
+            "--dtype", "float32", "--quantize", "int8,int4", "--peers", "transformers,llama.cpp", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert {"none", "none int8", "none int4", "hf float32", "hf float32 lookup10"} <= set(modes)
+    assert all(m["turns"] == 3 and m["new_tokens"] > 0 for m in modes.values())
+    # fp32 HF on our weights (q/k rows put back in rotate-half order) decodes exactly what we decode
+    assert modes["hf float32"]["greedy_agreement"] == {"identical_share": 1.0, "first_divergence": [None] * 3}
+    assert modes["hf float32 lookup10"]["greedy_agreement"]["identical_share"] == 1.0
+    assert len(modes["none int4"]["greedy_agreement"]["first_divergence"]) == 3
+    assert "note: skipping llama.cpp" in capsys.readouterr().err  # a test checkpoint has no GGUF tokenizer metadata
+
+
+def test_unknown_peer_or_quantization_is_one_line_error(capsys):
+    for argv in (["--peers", "vllm"], ["--quantize", "int3"]):
+        assert bench.main(argv) == 2
+        assert capsys.readouterr().err.strip().startswith("error: unknown --")

@@ -50,7 +50,7 @@ def hf_greedy(default_dir):
 
 @pytest.mark.parametrize("prompt", PROMPTS)
 def test_greedy_matches_transformers(default_dir, hf_greedy, prompt):
-    ours = run_json("--prompt", prompt, "--max-new-tokens", "48")
+    ours = run_json("--prompt", prompt, "--max-new-tokens", "48", "--dtype", "float32")  # exact parity needs fp32
     assert ours["token_ids"] == hf_greedy[prompt]
     assert ours["new_tokens"] == len(ours["token_ids"]) <= 48
     if "France" in prompt:

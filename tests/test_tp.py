@@ -23,7 +23,7 @@ from model import ModelArgs, Transformer
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 320
 TINY = dict(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=VOCAB, block_size=256)
-ARGV = ["--prompt", "The quick brown fox jumps", "--max-new-tokens", "24", "--json"]
+ARGV = ["--prompt", "The quick brown fox jumps", "--max-new-tokens", "24", "--json", "--dtype", "float32"]  # exact: fp32
 
 
 def write_checkpoint(out_dir: Path, **overrides) -> Path:

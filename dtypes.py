@@ -1,0 +1,85 @@
+# The default dtype for a device. CUDA: bf16. CPU: whichever decodes faster here, measured once per machine and
+# cached (dtypes.json beside the tree sizes). CPUs differ: on a 2-core AMD EPYC with AVX512-BF16 bf16 decodes
+# 2x faster than fp32 (half the bytes, native dot products); on a Xeon with AVX512-BF16 but no AMX it measured
+# slower. A CPU without native bf16 (neither AVX512-BF16 nor AMX on x86) is ruled out without measuring.
+import platform
+import time
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+import sizing
+import tp
+
+CACHE = "dtypes.json"
+# bf16 rounds activations to 8 bits of mantissa, so it must win clearly, not by noise.
+MIN_GAIN = 1.1
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()
+
+
+def native_bf16() -> bool:
+    if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
+        return True  # no cheap query elsewhere (ARM bf16 is a feature flag): let the measurement decide
+    return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
+
+
+def _linear_ms(weights: list, dtypes: tuple, reps: int = 15) -> list:
+    """Milliseconds per pass over all weights, for each dtype: the least disturbed of reps passes, the dtypes
+    taking turns so that a burst of load elsewhere hits both."""
+    runs = [([w.to(d) for w in weights], [torch.randn(1, w.shape[1], dtype=d) for w in weights]) for d in dtypes]
+    best = [float("inf")] * len(dtypes)
+    for _ in range(reps):
+        for i, (ws, xs) in enumerate(runs):
+            t0 = time.perf_counter()
+            for x, w in zip(xs, ws):
+                F.linear(x, w)
+            best[i] = min(best[i], time.perf_counter() - t0)
+    return [round(1000 * t, 3) for t in best]
+
+
+@torch.inference_mode()
+def measure_cpu() -> dict:
+    """One-row matmuls over 108 MB of fp32 weights (more than any L3 cache, like a model's decode step) in
+    fp32 and bf16, on one thread: milliseconds each. One thread measures what the core's instructions do; with
+    all threads a busy machine decides (a descheduled thread stalls bf16's parallel GEMV by a whole time slice,
+    measured 16 ms a call under load on the 2-core box) and a wrong choice would stay cached."""
+    g = torch.Generator().manual_seed(0)
+    weights = [torch.randn(out, inp, generator=g) for out, inp in ((2048, 2048), (5632, 2048), (2048, 5632))]
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        fp32, bf16 = _linear_ms(weights, (torch.float32, torch.bfloat16))
+        return {"float32_ms": fp32, "bfloat16_ms": bf16}
+    finally:
+        torch.set_num_threads(threads)
+
+
+def default_dtype(device, log=print) -> torch.dtype:
+    """bf16 on CUDA; on a CPU the faster of fp32 and bf16, measured once per machine (cached) and logged."""
+    device = torch.device(device)
+    if device.type != "cpu":
+        return torch.bfloat16
+    if tp.rank() != 0:
+        log = lambda s: None  # noqa: E731
+    if not native_bf16():
+        log("dtype float32 (this CPU has no native bf16)")
+        return torch.float32
+    key = f"{cpu_name()} | torch {torch.__version__}"
+    entry = tp.from_rank0(sizing._cache(CACHE).get(key))  # tensor-parallel ranks must agree
+    if entry is None:
+        entry = tp.from_rank0(measure_cpu())
+        entry["choice"] = "bfloat16" if entry["float32_ms"] > MIN_GAIN * entry["bfloat16_ms"] else "float32"
+        sizing._store(key, entry, CACHE)
+    log(f"dtype {entry['choice']} (one-row matmuls: float32 {entry['float32_ms']} ms, bfloat16 {entry['bfloat16_ms']} ms "
+        f"on this CPU; cached in {sizing.cache_path(CACHE)}; --dtype overrides)")
+    return getattr(torch, entry["choice"])
