@@ -71,15 +71,14 @@ def default_dtype(device, log=print) -> torch.dtype:
         return torch.bfloat16
     if tp.rank() != 0:
         log = lambda s: None  # noqa: E731
-    if not native_bf16():
-        log("dtype float32 (this CPU has no native bf16)")
+    if not native_bf16():  # no measurement to report: the summary line names the dtype
         return torch.float32
     key = f"{cpu_name()} | torch {torch.__version__}"
     entry = tp.from_rank0(sizing._cache(CACHE).get(key))  # tensor-parallel ranks must agree
-    if entry is None:
+    if entry is None:  # said once, when measured; every run names its dtype in its summary line
         entry = tp.from_rank0(measure_cpu())
         entry["choice"] = "bfloat16" if entry["float32_ms"] > MIN_GAIN * entry["bfloat16_ms"] else "float32"
         sizing._store(key, entry, CACHE)
-    log(f"dtype {entry['choice']} (one-row matmuls: float32 {entry['float32_ms']} ms, bfloat16 {entry['bfloat16_ms']} ms "
-        f"on this CPU; cached in {sizing.cache_path(CACHE)}; --dtype overrides)")
+        log(f"dtype {entry['choice']} (one-row matmuls: float32 {entry['float32_ms']} ms, bfloat16 {entry['bfloat16_ms']} ms "
+            f"on this CPU; cached in {sizing.cache_path(CACHE)}; --dtype overrides)")
     return getattr(torch, entry["choice"])

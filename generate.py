@@ -655,7 +655,7 @@ def main(argv=None) -> int:
     if quiet:
         return 0
     text = tokenizer.decode([t for t in result.token_ids if t not in margs.stop_tokens])
-    metrics = result.metrics(gen.spec)
+    metrics = result.metrics(gen.spec) | {"dtype": str(gen.target.tok_embeddings.weight.dtype).removeprefix("torch.")}
     if a.json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, **metrics}))
     else:

@@ -72,7 +72,8 @@ BAD = [
 
 @pytest.mark.parametrize("argv,message", BAD)
 def test_bad_input_is_one_line_exit_2(default_dir, argv, message):
-    r = subprocess.run([sys.executable, "generate.py", *argv], cwd=REPO, capture_output=True, text=True)
+    # --dtype: a first run on a fresh machine would also report its dtype measurement on stderr
+    r = subprocess.run([sys.executable, "generate.py", "--dtype", "float32", *argv], cwd=REPO, capture_output=True, text=True)
     assert r.returncode == 2, r.stderr
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
