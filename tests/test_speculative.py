@@ -196,6 +196,19 @@ def test_greedy_speculation_reproduces_vanilla_on_smollm2(smollm2, spec):
     assert gen.generate(smollm2.prompt, 40, GREEDY, smollm2.target.args.stop_tokens).token_ids == smollm2.ref
 
 
+def test_lookup_reproduces_vanilla_on_smollm2_and_copies_from_the_prompt(smollm2):
+    from convert_hf_checkpoint import default_checkpoint
+    from generate import encode_prompt
+    from tokenizer import load_tokenizer
+
+    text = "Repeat exactly: The quick brown fox jumps over the lazy dog near the quiet river bank."
+    prompt = encode_prompt(load_tokenizer(default_checkpoint()), smollm2.target.args, [{"role": "user", "content": text}], chat=True)
+    stops = smollm2.target.args.stop_tokens
+    result = Generator(smollm2.target, TreeSpec("lookup", 6, 1, 0)).generate(prompt, 40, GREEDY, stops)
+    assert result.token_ids == Generator(smollm2.target).generate(prompt, 40, GREEDY, stops).token_ids
+    assert sum(result.accept_hist[2:]) > 0  # the answer quotes the prompt: chains of drafts are accepted
+
+
 # ---- sampling: the first three tokens follow the target's own distribution ----
 #
 # Tiny vocabulary (V = 8), so P(t1, t2, t3) is computed exactly from the target over all V^2 prefixes,
