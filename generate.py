@@ -406,7 +406,8 @@ class Generator:
             mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, self.device, dynamic=True)
             self.decode_one = compiled(decode_one, self.device, mode=mode)
-            self.cycle = compiled(self.cycle, self.device, mode=mode)
+            if spec:
+                self.cycle = compiled(self.cycle, self.device, mode=mode)
             if spec and spec.mode == "lookup":
                 self.plain_cycle = compiled(lookup_step, self.device, mode=mode)
 
