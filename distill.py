@@ -24,10 +24,11 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-from model import Transformer, causal_mask, eagle3_taps
-from tokenizer import format_chat
+from checkpoint import UsageError
+from model import Transformer, causal_mask, eagle3_taps, find_multiple
+from prompts import MT_BENCH, load_conversations
+from tokenizer import encode_prompt, format_chat
 
-REPO = Path(__file__).resolve().parent
 # Openers for self-written requests, so the target writes about many topics and task types.
 SEEDS = [
     "Write a short poem about", "Write a haiku about", "Write a limerick about", "Write a story about",
@@ -44,7 +45,6 @@ SEEDS = [
     "List five", "Describe",
 ]  # fmt: skip
 SENTINEL = "\x00request\x00"
-HOLDOUT = next((p for p in (REPO / "data" / "mt_bench.jsonl", REPO.parent / "shared" / "data" / "mt_bench.jsonl") if p.exists()), None)
 SLOT_ROUND = 128  # cache lengths are rounded up to this, so the compiled step sees few shapes
 
 
@@ -53,7 +53,7 @@ class DataConfig:
     out: Path = Path("out/train_draft")
     data_dir: Optional[Path] = None  # requests, conversations and features; None: --out (several runs may share one)
     prompts: Optional[Path] = None  # jsonl with "prompt" or "turns" (first turn); None: the target writes them
-    holdout: Optional[Path] = HOLDOUT  # benchmark questions (MT-bench) kept out of self-written requests
+    holdout: Optional[Path] = MT_BENCH  # benchmark questions (MT-bench) kept out of self-written requests
     num_prompts: int = 2000
     max_request_tokens: int = 96
     max_answer_tokens: int = 256
@@ -143,7 +143,7 @@ def sample_batch(target: Transformer, prompts: list, max_new: int, temperature: 
         chunk = chunk + [chunk[0][-1:]] * (batch - n)  # dummy rows: one token, greedy
         temps = torch.cat([temps.float(), temps.new_zeros(batch - n, dtype=torch.float)]).to(device)
         P = max(map(len, chunk))
-        S = -(-(P + max_new) // SLOT_ROUND) * SLOT_ROUND
+        S = find_multiple(P + max_new, SLOT_ROUND)
         if target.max_seq_length != S or target.layers[0].attention.kv_cache is None or target.layers[0].attention.kv_cache.k_cache.shape[0] != batch:
             target.setup_caches(S, batch=batch)
         pad = torch.tensor([P - len(p) for p in chunk], device=device)
@@ -176,8 +176,6 @@ def append_jsonl(path: Path, records: list):
 
 
 def file_requests(path: Path) -> list:
-    from generate import UsageError  # lazily: the loading module (issue 12) will own it
-
     requests = []
     for r in read_jsonl(path):
         text = r.get("prompt") or (r.get("turns") or [None])[0]
@@ -197,8 +195,8 @@ class Holdout:
 
     def __init__(self, path: Optional[Path], n: int = 8):
         self.n, self.grams, self.whole = n, set(), set()
-        for r in read_jsonl(Path(path)) if path else []:
-            for turn in r.get("turns") or [r.get("prompt") or ""]:
+        for turns in load_conversations(path) if path else []:
+            for turn in turns:
                 w = words(turn)
                 self.whole.add(" ".join(w))
                 self.grams.update(" ".join(w[i:i + n]) for i in range(len(w) - n + 1))
@@ -263,8 +261,6 @@ def write_requests(cfg: DataConfig, target: Transformer, tokenizer, want: int, d
 
 def answer_requests(cfg: DataConfig, target: Transformer, tokenizer, requests: list, deadline: float) -> list:
     """Conversations {id, temperature, prompt_len, tokens} in conversations.jsonl (a rerun continues)."""
-    from generate import encode_prompt  # lazily: the loading module (issue 12) will own it
-
     path, args = cfg.data / "conversations.jsonl", target.args
     convs = read_jsonl(path)
     answered = {c["id"] for c in convs}
@@ -416,8 +412,6 @@ def build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, roun
     try:
         fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)
     except BlockingIOError:
-        from generate import UsageError  # lazily: the loading module (issue 12) will own it
-
         lock.close()
         raise UsageError(f"{cfg.data} is being written by another process") from None
     with lock:

@@ -12,9 +12,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-import quantize
-from model import (Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, _fuse_qkv, eagle3_taps, load_state,
-                   one_line, rope_at, rope_table)
+import quant
+from model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, eagle3_taps, load_state, one_line, rope_at, rope_table
 
 
 class DraftHead(nn.Module):
@@ -32,7 +31,6 @@ class DraftHead(nn.Module):
         # reads the LM head once per level; 16k of 49k rows cuts that read by two thirds.
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"),
                              persistent=draft_vocab_size > 0)  # off the meta device: a checkpoint without one never fills it
-        self._register_load_state_dict_pre_hook(_fuse_qkv)
 
     def setup_caches(self, max_seq_length: int, dtype=None):
         norm = self.layers[0].ffn_norm.weight  # norms stay float in quantised heads
@@ -136,11 +134,11 @@ def use_draft_vocab(head: EagleHead, target_output: nn.Module, size=None) -> Eag
         # Two siblings with one token would give that token two chances to be accepted: biased at T > 0.
         raise ValueError(f"draft vocabulary repeats token ids ({len(vocab) - len(vocab.unique())} duplicates)")
     head.draft_vocab = vocab
-    float_w = target_output.dequantize(torch.float32) if isinstance(target_output, quantize.QuantLinear) else target_output.weight
+    float_w = target_output.dequantize(torch.float32) if isinstance(target_output, quant.QuantLinear) else target_output.weight
     rows = nn.Linear(float_w.shape[1], size, bias=False, device=float_w.device, dtype=float_w.dtype)
     rows.weight.data.copy_(float_w[head.draft_vocab.to(float_w.device)])
-    if isinstance(target_output, quantize.QuantLinear):
-        rows = quantize.QuantLinear.from_linear(rows, target_output.mode, target_output.groupsize)
+    if isinstance(target_output, quant.QuantLinear):
+        rows = quant.QuantLinear.from_linear(rows, target_output.mode, target_output.groupsize)
         rows.to(device=target_output.scales.device, dtype=target_output.scales.dtype)
     head.lm_head = rows
     return head
@@ -198,7 +196,7 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
             head = Eagle3Head(args, cfg["draft_vocab_size"], taps)
         else:
             head = EagleHead(args, fc_bias=cfg.get("fc_bias", True), draft_vocab_size=cfg.get("draft_vocab_size", 0))
-    quantize.prepare(head, cfg)
+    quant.prepare(head, cfg)
     try:
         head.load_state_dict(load_state(files[0]), assign=True)
     except RuntimeError as e:

@@ -1,4 +1,4 @@
-# The default dtype for a device. CUDA: bf16. CPU: whichever decodes faster here, measured once per machine and
+# The default device and dtype. Device: CUDA if there is one. Dtype: CUDA: bf16. CPU: whichever decodes faster here, measured once per machine and
 # cached (dtypes.json beside the tree sizes). CPUs differ: on a 2-core AMD EPYC with AVX512-BF16 bf16 decodes
 # 2x faster than fp32 (half the bytes, native dot products); on a Xeon with AVX512-BF16 but no AMX it measured
 # slower. A CPU without native bf16 (neither AVX512-BF16 nor AMX on x86) is ruled out without measuring.
@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import sizing
+import cache
 import tp
 
 CACHE = "dtypes.json"
@@ -27,7 +27,10 @@ def cpu_name() -> str:
     return platform.processor() or platform.machine()
 
 
-def native_bf16() -> bool:
+def native_bf16(device="cpu") -> bool:
+    """bf16 matmuls run natively (measured 3.7-5.7x fp32 on an AVX512-BF16 CPU, slower where emulated)."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.is_bf16_supported()
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
         return True  # no cheap query elsewhere (ARM bf16 is a feature flag): let the measurement decide
     return torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported()
@@ -64,6 +67,15 @@ def measure_cpu() -> dict:
         torch.set_num_threads(threads)
 
 
+def default_device() -> str:
+    return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def synchronizer(device):
+    """A function that waits for the device's queued work (timing): CUDA runs asynchronously, a CPU does not."""
+    return torch.cuda.synchronize if torch.device(device).type == "cuda" else (lambda: None)
+
+
 def default_dtype(device, log=print) -> torch.dtype:
     """bf16 on CUDA; on a CPU the faster of fp32 and bf16, measured once per machine (cached) and logged."""
     device = torch.device(device)
@@ -74,11 +86,11 @@ def default_dtype(device, log=print) -> torch.dtype:
     if not native_bf16():  # no measurement to report: the summary line names the dtype
         return torch.float32
     key = f"{cpu_name()} | torch {torch.__version__}"
-    entry = tp.from_rank0(sizing._cache(CACHE).get(key))  # tensor-parallel ranks must agree
+    entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
     if entry is None:  # said once, when measured; every run names its dtype in its summary line
         entry = tp.from_rank0(measure_cpu())
         entry["choice"] = "bfloat16" if entry["float32_ms"] > MIN_GAIN * entry["bfloat16_ms"] else "float32"
-        sizing._store(key, entry, CACHE)
+        cache.store(CACHE, key, entry)
         log(f"dtype {entry['choice']} (one-row matmuls: float32 {entry['float32_ms']} ms, bfloat16 {entry['bfloat16_ms']} ms "
-            f"on this CPU; cached in {sizing.cache_path(CACHE)}; --dtype overrides)")
+            f"on this CPU; cached in {cache.cache_dir() / CACHE}; --dtype overrides)")
     return getattr(torch, entry["choice"])

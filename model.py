@@ -70,6 +70,17 @@ class ModelArgs:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
+# Named shapes (gpt-fast's transformer_configs): speed depends on shapes alone, so bench.py --random-shape can
+# time a 7B cycle without its weights. The ModelArgs defaults are Llama-2-7B's.
+SHAPES = {
+    "llama-2-7b": ModelArgs(),
+    "llama-3-8b": ModelArgs(n_local_heads=8, intermediate_size=14336, vocab_size=128256, rope_base=500000.0, block_size=8192),
+    "smollm2-135m": ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152,
+                              rope_base=100000.0, block_size=8192, tie_embeddings=True),
+    "tiny": ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=320, block_size=2048),
+}
+
+
 def rope_frequencies(args: ModelArgs) -> Tensor:
     d = args.head_dim
     freqs = 1.0 / (args.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -148,6 +159,13 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(in_dim or args.dim, (args.n_head + 2 * args.n_local_heads) * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
+        self._register_load_state_dict_pre_hook(self._fuse_qkv)
+
+    @staticmethod
+    def _fuse_qkv(state_dict, prefix, *args):
+        # Checkpoints may store wq / wk / wv apart; the module keeps one fused matrix (one GEMM).
+        if prefix + "wq.weight" in state_dict:
+            state_dict[prefix + "wqkv.weight"] = torch.cat([state_dict.pop(prefix + f"w{c}.weight") for c in "qkv"])
 
     def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -202,13 +220,6 @@ class TransformerBlock(nn.Module):
         return h + self.feed_forward(self.ffn_norm(h))
 
 
-def _fuse_qkv(state_dict, prefix, *args):
-    # Checkpoints may store wq / wk / wv apart; the module keeps one fused matrix (one GEMM).
-    for layer_prefix in {k[: -len("wq.weight")] for k in state_dict if k.startswith(prefix) and k.endswith(".wq.weight")}:
-        parts = [state_dict.pop(layer_prefix + f"w{c}.weight") for c in "qkv"]
-        state_dict[layer_prefix + "wqkv.weight"] = torch.cat(parts)
-
-
 class Transformer(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
@@ -221,7 +232,6 @@ class Transformer(nn.Module):
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_length = 0
         self.taps = ()  # layers whose input states forward() returns as draft features (EAGLE-3); see hidden()
-        self._register_load_state_dict_pre_hook(_fuse_qkv)
 
     def setup_caches(self, max_seq_length: int, batch: int = 1, dtype=None):
         """Allocates the KV caches and the RoPE table; the table always covers the whole cache."""
@@ -232,6 +242,11 @@ class Transformer(nn.Module):
             a = layer.attention
             a.kv_cache = KVCache(batch, a.n_kv, max_seq_length, a.head_dim, dtype).to(device)
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(device), persistent=False)
+
+    def move_kv(self, src: Tensor, dst: Tensor):
+        """Copies every layer's KV rows at slots src to slots dst (a speculative commit compacts accepted rows)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.move(src, dst)
 
     def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> tuple:
         """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads).
@@ -266,6 +281,11 @@ def eagle3_taps(n_layer: int) -> tuple:
     """The three layers whose inputs an EAGLE-3 head reads, low, middle and high: the official choice
     (2, L//2, L-3), clamped for tiny test models (where a layer may then appear twice)."""
     return (min(2, n_layer - 1), n_layer // 2, max(n_layer - 3, 0))
+
+
+def find_multiple(n: int, k: int) -> int:
+    """n rounded up to a multiple of k."""
+    return -(-n // k) * k
 
 
 def causal_mask(cache_pos: Tensor, max_seq_length: int) -> Tensor:

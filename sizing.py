@@ -1,22 +1,21 @@
 # Draft tree sizes for the device. Verifying T tree tokens costs r(T) decode steps: about 1 up to T=64 on an
 # H100 (the weights are read once either way), about 2 at T=16 on a 2-core CPU (the matmuls turn
 # compute-bound). So we time r(T) and one draft level once per device, model and dtype (cached in
-# $EAGLET_CACHE/tree_sizes.json), and pick the (m, depth, k) with the most expected tokens per unit of time.
+# $EAGLET_CACHE/tree_sizes.json, cache.py), and pick the (m, depth, k) with the most expected tokens per unit of time.
 #
 # Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
 # draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
 # probabilities, and a cycle commits 1 + the sum over its m nodes. The tree holds the m most valuable nodes.
 import heapq
-import json
-import os
 import time
 from itertools import product
-from pathlib import Path
 
 import torch
 
+import cache
+import dtypes
 import tp
-from model import causal_mask
+from model import causal_mask, find_multiple
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -57,7 +56,7 @@ def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT
 
 
 def _median_ms(fn, device, reps: int = 3) -> float:
-    sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
+    sync = dtypes.synchronizer(device)
     fn()
     times = []
     for _ in range(reps):
@@ -88,7 +87,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
     device = target.tok_embeddings.weight.device
     need = CONTEXT + max(M_CHOICES) + 1
     if target.max_seq_length < need:
-        target.setup_caches(-(-need // 256) * 256)
+        target.setup_caches(find_multiple(need, 256))
     head.setup_caches(target.max_seq_length, dtype=target.tok_embeddings.weight.dtype)
     run_target, run_head = (compile_fn(_target_pass), compile_fn(_head_level)) if compile_fn else (_target_pass, _head_level)
 
@@ -128,26 +127,7 @@ def cache_key(target, head, compiled: bool = False) -> str:
             + ("|compiled" if compiled else ""))
 
 
-def cache_path(name: str = "tree_sizes.json") -> Path:
-    """A per-machine measurement cache in $EAGLET_CACHE (tree sizes here; dtypes.py's dtype choice too)."""
-    return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser() / name
-
-
-def _cache(name: str = "tree_sizes.json") -> dict:
-    path = cache_path(name)
-    return json.loads(path.read_text()) if path.exists() else {}
-
-
-def _store(key: str, entry: dict, name: str = "tree_sizes.json"):
-    if tp.rank() != 0:
-        return
-    cache = _cache(name)
-    cache[key] = entry
-    path = cache_path(name)
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(cache, indent=2) + "\n")
-    os.replace(tmp, path)  # readers never see a half-written file
+CACHE = "tree_sizes.json"
 
 
 def device_costs(target, head, log=print, compile_fn=None) -> dict:
@@ -155,25 +135,25 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
     compiled: measure_costs), measured now (seconds; a minute when compiling) if there is none.
     Under tensor parallelism every rank measures together and rank 0's entry counts."""
     key = cache_key(target, head, compile_fn is not None)
-    entry = tp.from_rank0(_cache().get(key))
+    entry = tp.from_rank0(cache.read(CACHE).get(key))
     if entry is None:
         if tp.rank() == 0:
             how = "compiled steps" if compile_fn else "eager steps"
-            log(f"sizing the draft tree for this device from its {how} (once; cached in {cache_path()})")
+            log(f"sizing the draft tree for this device from its {how} (once; cached in {cache.cache_dir() / CACHE})")
         entry = tp.from_rank0(measure_costs(target, head, compile_fn))
-        _store(key, entry)
+        cache.store(CACHE, key, entry)
     return entry
 
 
 def record_sweep(target, head, best: tuple, compiled: bool = False):
     """bench.py --sweep's measured winner, which then replaces the cost model's choice."""
     key = cache_key(target, head, compiled)
-    _store(key, _cache().get(key, {}) | {"swept": list(best)})
+    cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {"swept": list(best)})
 
 
-def device_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None) -> tuple:
+def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None) -> tuple:
     """(m, depth, k) for this device: a --sweep result if there is one and nothing is given, else the cost
-    model's best around whatever is given."""
+    model's best around whatever is given. Times the device the first time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
     if "swept" in costs and not (m or depth or k):
         return tuple(costs["swept"])

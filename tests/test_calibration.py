@@ -4,7 +4,9 @@ import pytest
 import torch
 
 import calibration
-from generate import Generator, Sampling, TreeSpec
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 
 # root(9) -> 1:3 (0.93, accepted) -> 3:4 (0.55, rejected) -> 6:8 (0.35, untested)
 #                                  -> 4:6 (0.42, accepted)

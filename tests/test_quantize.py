@@ -7,11 +7,15 @@ import torch
 import torch.nn as nn
 from safetensors.torch import save_file
 
+import quant
 import quantize
 from draft import EagleHead, load_head, save_head
-from generate import Generator, Sampling, TreeSpec, load_model
+from checkpoint import load_model
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 from model import ModelArgs, Transformer
-from quantize import KERNEL_MAX_ROWS, QuantLinear
+from quant import KERNEL_MAX_ROWS, QuantLinear
 
 # Relative RMS output error against the float layer, Gaussian weights and inputs, 192 -> 256, worst of 5 seeds
 # at 1 and 64 rows: int8 0.0072, int4 g32 0.085, g64 0.092, g128 0.108. The bounds sit a little above.
@@ -52,7 +56,7 @@ def test_quant_linear_cuda_bf16(mode, groupsize):
     nn.init.normal_(linear.weight, std=576 ** -0.5)
     q = QuantLinear.from_linear(linear, mode, groupsize).to("cuda", torch.bfloat16)
     linear = linear.to("cuda", torch.bfloat16)
-    if mode == "int4" and quantize.has_tinygemm(torch.device("cuda")):
+    if mode == "int4" and quant.has_tinygemm(torch.device("cuda")):
         assert q.kernel == "tinygemm"
     with torch.no_grad():
         x = torch.randn(64, 576, device="cuda", dtype=torch.bfloat16)
@@ -121,13 +125,13 @@ def test_logit_error(float_dirs):
 
 @pytest.mark.parametrize("mode,groupsize", [("int8", 0), ("int4", 32)])
 def test_speculative_matches_vanilla_on_quantised_model(mode, groupsize):
-    target = quantize.quantize_model(random_target(), mode, groupsize)
-    head = quantize.quantize_model(random_head(), mode, groupsize)
-    draft_model = quantize.quantize_model(random_target(ModelArgs(dim=32, n_layer=1, n_head=2, intermediate_size=64, vocab_size=96, block_size=512), seed=2), mode, groupsize)
+    target = quant.quantize_model(random_target(), mode, groupsize)
+    head = quant.quantize_model(random_head(), mode, groupsize)
+    draft_model = quant.quantize_model(random_target(ModelArgs(dim=32, n_layer=1, n_head=2, intermediate_size=64, vocab_size=96, block_size=512), seed=2), mode, groupsize)
     prompt = torch.randint(0, TINY.vocab_size, (10,), generator=torch.Generator().manual_seed(3)).tolist()
     ref = Generator(target).generate(prompt, 32, Sampling()).token_ids
     # eagle2 verifies 17 rows (the large-row path), vanilla decodes one (the kernel path); sps verifies 5
-    for spec, kw in [(TreeSpec("eagle2", 6, 10, 16), {"head": head}), (TreeSpec("sps", 4, 1, 0), {"draft_model": draft_model})]:
+    for spec, kw in [(TreeSpec("eagle2", 6, 10, 16), {"head": head}), (TreeSpec.chain("sps", 4), {"draft_model": draft_model})]:
         assert Generator(target, spec, **kw).generate(prompt, 32, Sampling()).token_ids == ref, spec.mode
 
 

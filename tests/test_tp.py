@@ -18,7 +18,7 @@ import generate
 import tp
 from draft import EagleHead, save_head
 from hf_fixtures import write_tokenizer
-from model import ModelArgs, Transformer
+from model import ModelArgs, Transformer, causal_mask
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 320
@@ -141,7 +141,7 @@ def test_shards_sum_to_the_whole_layer(linear_type):
         quantize_layers(model, linear_type)
     shards = [tp.shard_model(copy.deepcopy(model), rank, 2) for rank in range(2)]
     x, pos = torch.randn(1, 5, TINY["dim"]), torch.arange(5)
-    mask = generate.causal_mask(pos, 16)
+    mask = causal_mask(pos, 16)
     for m in [model, *shards]:
         m.setup_caches(16)
     rope = model.rope[pos][None]

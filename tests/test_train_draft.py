@@ -11,7 +11,11 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 import distill
 import train_draft
 from draft import EagleHead, load_head
-from generate import Generator, Sampling, TreeSpec, encode_prompt, load_model
+from checkpoint import load_model
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
+from tokenizer import encode_prompt
 from model import ModelArgs, Transformer
 from tokenizer import load_tokenizer
 

@@ -8,9 +8,14 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+import dtypes
 import train_draft
 from draft import Eagle3Head, load_head
-from generate import Generator, Sampling, TreeSpec, acceptance_metrics, encode_prompt, load_model
+from checkpoint import load_model
+from eaglet import Generator, acceptance_metrics
+from sampling import Sampling
+from speculate import TreeSpec
+from tokenizer import encode_prompt
 from model import causal_mask, eagle3_taps
 from test_train_draft import TRAIN_ARGS, write_tiny_checkpoint
 from tokenizer import load_tokenizer
@@ -136,4 +141,4 @@ def test_cli_trains_a_lossless_eagle3_head(trained_eagle3):
 
 def test_bf16_autocast_follows_the_cpu():
     flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
-    assert train_draft.native_bf16(torch.device("cpu")) == (" avx512_bf16" in flags or " amx_tile" in flags)
+    assert dtypes.native_bf16(torch.device("cpu")) == (" avx512_bf16" in flags or " amx_tile" in flags)

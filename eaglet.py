@@ -1,0 +1,344 @@
+# The library entry point. load_generator() loads a target, its drafter and tokenizer and returns a ready
+# Generator; Generator.generate decodes one prompt, either a token per step (vanilla) or a speculative cycle per
+# step (speculate.py) until the answer is done. generate.py, bench.py and calibration.py all start here:
+#
+#   gen, tokenizer = load_generator(speculate="eagle2")
+#   text, result = gen.chat("What is the capital of France?")
+import sys
+import time
+import types
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Optional
+
+import torch
+from torch import Tensor
+
+import dtypes
+import sizing
+import tp
+from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
+from draft import DraftHead, use_draft_vocab
+from model import Transformer, causal_mask, find_multiple
+from sampling import Sampling
+from speculate import CHAINS, MODES, SpecState, TreeSpec, lookup_cycle, lookup_step, sps_cycle, tree_cycle
+from tokenizer import encode_prompt, load_tokenizer
+
+GREEDY = Sampling()
+
+
+def log_stderr(message: str):
+    print(message, file=sys.stderr)
+
+
+# ---------------------------------------------------------------- loading
+
+def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile: bool = False,
+                   depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, draft_checkpoint=None,
+                   target: Optional[Transformer] = None, log=log_stderr) -> tuple:
+    """-> (Generator, tokenizer). Raises UsageError on bad input.
+
+    checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
+    (None: the shipped head of the default model); speculate: none | eagle2 | eagle | sps | lookup.
+    device, dtype (str or torch.dtype): None picks CUDA if present and the dtype this device decodes fastest.
+    depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
+    speculate_k: the sps / lookup chain; draft_vocab: draft over the head's N most frequent tokens (0: all of the
+    target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
+    (bench.py runs every mode on one)."""
+    check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab)
+    default = checkpoint is None
+    try:
+        checkpoint = default_checkpoint() if default else Path(checkpoint)
+    except FileNotFoundError as e:
+        raise UsageError(str(e)) from None
+    if target is None:
+        target = load_target(checkpoint, device, dtype, log)
+    if speculate in ("eagle", "eagle2"):
+        draft = draft or (DEFAULT_HEAD if default else None)
+        if draft is None:
+            raise UsageError("--speculate eagle/eagle2 needs --draft HEAD_DIR for this checkpoint")
+    head = load_draft_head(draft, target, draft_vocab) if speculate in ("eagle", "eagle2") else None
+    if speculate == "sps" and draft_checkpoint is None:
+        raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
+    draft_model = load_draft_model(draft_checkpoint, target) if speculate == "sps" else None
+    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log)
+    tokenizer = load_tokenizer(checkpoint)
+    return Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer), tokenizer
+
+
+def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transformer:
+    """The target on its device in its dtype (defaults: dtypes.py), sharded when run under torchrun."""
+    device = device or dtypes.default_device()
+    tp_rank = tp.maybe_init_dist()
+    dtype = getattr(torch, dtype) if isinstance(dtype, str) else dtype or dtypes.default_dtype(device, log=log)
+    # Under tensor parallelism the target is sharded on the CPU, so each GPU receives only its slice.
+    target = load_model(checkpoint, "cpu" if tp_rank is not None else device, dtype)
+    if tp_rank is not None:
+        try:
+            tp.apply_tp(target)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+        target.to(device)
+    return target
+
+
+def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None):
+    if speculate not in MODES:
+        raise UsageError(f"unknown --speculate mode {speculate!r}; choose from {', '.join(MODES)}")
+    for flag, value in (("depth", depth), ("topk", topk), ("num-draft-tokens", num_draft_tokens), ("speculate-k", speculate_k)):
+        if value is not None and value < 1:
+            raise UsageError(f"--{flag} must be >= 1")
+    if draft_vocab is not None and draft_vocab < 0:
+        raise UsageError(f"--draft-vocab must be >= 0, got {draft_vocab}")
+    if speculate != "eagle2" and (depth or topk or num_draft_tokens):
+        raise UsageError(f"--depth, --topk and --num-draft-tokens shape the eagle2 tree, not {speculate}"
+                         + (" (its chain length is --speculate-k)" if speculate in CHAINS else ""))
+    if speculate not in CHAINS and speculate_k:
+        raise UsageError(f"--speculate-k is the sps / lookup chain length, not {speculate}'s")
+
+
+def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+    if temperature < 0:
+        raise UsageError(f"--temperature must be >= 0, got {temperature}")
+    if not 0 < top_p <= 1:
+        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
+    if top_k < 0:
+        raise UsageError(f"--top-k must be >= 0, got {top_k}")
+    return Sampling(temperature, top_k, top_p)
+
+
+def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
+              speculate_k=None, compile=False, log=log_stderr) -> Optional[TreeSpec]:
+    """The cycle's shape. For eagle2, what is left open is sized for this device: sizing.measure_tree times the
+    target and head once (compiled when the cycle will be) and caches the result."""
+    if speculate == "none":
+        return None
+    if speculate in CHAINS:
+        return TreeSpec.chain(speculate, speculate_k or (4 if speculate == "sps" else 6))
+    vocab = len(head.draft_vocab) or target.args.vocab_size
+    k_max = topk or TreeSpec.static().topk
+    if k_max > vocab:
+        raise UsageError(f"--topk {k_max} exceeds the draft vocabulary of {vocab}")
+    if speculate == "eagle":
+        return TreeSpec.static()
+    m, depth, k = num_draft_tokens, depth, topk
+    if m and depth and k:
+        if m > k + (depth - 1) * k * k:
+            raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
+    else:
+        try:
+            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target) if compile else None)
+        except ValueError as e:
+            raise UsageError(str(e)) from None
+    return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m)
+
+
+# ---------------------------------------------------------------- the steps a Generator compiles
+
+def prefill(model: Transformer, prompt: Tensor) -> tuple:
+    """prompt [1, T] -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV slots [0, T)."""
+    pos = torch.arange(prompt.shape[1], device=prompt.device)
+    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length))
+    return h[0], feat[0]
+
+
+def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
+    logits, _ = model(token.view(1, 1), pos, pos, causal_mask(pos, model.max_seq_length))
+    return sampling.draw(logits[0, -1]).view(1)
+
+
+# ---------------------------------------------------------------- results
+
+@dataclass
+class Result:
+    token_ids: list
+    seconds: float
+    cycles: int = 0
+    accept_hist: Optional[list] = None  # cycles that accepted 0, 1, ... depth draft tokens
+
+    def metrics(self, spec: Optional[TreeSpec]) -> dict:
+        out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
+               "tokens_per_s": round(len(self.token_ids) / max(self.seconds, 1e-9), 2)}
+        if spec is None or not self.cycles:
+            return out
+        return out | acceptance_metrics(self.accept_hist, len(self.token_ids) - 1, self.cycles)
+
+
+def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
+    """hist[a]: cycles that accepted a draft tokens; cycle_tokens: tokens the cycles committed, cut at
+    the stop token or the token limit (the first token comes from the prefill, not a cycle)."""
+    reached = [sum(hist[d:]) for d in range(len(hist))]
+    return dict(
+        cycles=cycles,
+        mean_accept_len=round(cycle_tokens / cycles, 4),  # tau: tokens per target forward, bonus included
+        accept_len_hist=hist,
+        accept_rate_per_depth=[round(reached[d] / reached[d - 1], 4) if reached[d - 1] else 0.0 for d in range(1, len(hist))],
+    )
+
+
+# ---------------------------------------------------------------- compiling
+
+# Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them).
+# Measured on a 2-core AMD EPYC, bf16 SmolLM2-135M vanilla, see BENCHMARKS.md:
+#   freezing     weights become graph constants, so oneDNN receives them prepacked once instead of reordering
+#                them on every call (the largest single gain). Only what a graph never writes is folded:
+#                Inductor keeps every mutated input (KV caches, SpecState) a live buffer, and Dynamo guards the
+#                frozen tensors by identity, so another model's weights recompile instead of reusing these.
+#   cpp_wrapper  the graph calls its kernels from C++, no Python between them (the CPU's answer to CUDA graphs).
+# max_autotune (CPP GEMM templates) measured slower at one row and multiplies compile time, so it stays off.
+CPU_INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+# CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
+CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
+
+
+def compiled(fn, device=None, **kw):
+    """torch.compile(fullgraph) with this device's Inductor settings. Compiled artefacts persist in Inductor's
+    on-disk caches (FX graph and kernel caches), so a second process with the same model warms up faster."""
+    if device is not None:
+        import torch._inductor.config as inductor_config
+
+        # Global, not options=: Dynamo reads `freezing` while tracing (to guard the frozen weights).
+        for key, value in (CPU_INDUCTOR if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
+            setattr(inductor_config, key, value)
+    # Dynamo keeps its cache, and its recompile budget (8 variants), per code object. Every Generator
+    # compiles a copy of the step with a code object of its own, so a process that runs many tree shapes
+    # (bench --sweep, a test suite) never shares one budget across them; fullgraph would make the ninth a hard error.
+    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
+    return torch.compile(own, fullgraph=True, **kw)
+
+
+def sizing_compile(target: Transformer):
+    """How sizing.py compiles the passes it times: as the Generator compiles its steps, with the number of
+    rows dynamic so one graph serves every tree size."""
+    device = target.tok_embeddings.weight.device
+    return lambda fn: compiled(fn, device, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)
+
+
+# ---------------------------------------------------------------- generation
+
+class Generator:
+    """Owns the models, their caches and the (optionally compiled) step functions."""
+
+    def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[DraftHead] = None,
+                 draft_model: Optional[Transformer] = None, compile: bool = False, tokenizer=None):
+        self.target, self.spec, self.head, self.draft_model = target, spec, head, draft_model
+        self.tokenizer = tokenizer  # for chat(); load_generator sets it
+        self.device = target.tok_embeddings.weight.device
+        if head is not None and len(head.draft_vocab) and head.lm_head is None:
+            use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
+        # An EAGLE-3 head reads the states entering its tap layers: the target hands them over from the
+        # prefill and verify passes it runs anyway (target.taps); every other drafter reads post-norm states.
+        self.taps = head.taps if head is not None else ()
+        target.taps = self.taps
+        feat_dim = target.args.dim * (len(self.taps) or 1)
+        self.state = SpecState(spec, feat_dim, self.device) if spec else None
+        self.prefill, self.decode_one = prefill, decode_one
+        self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
+        self.plain_cycle = lookup_step
+        if compile:
+            cuda = self.device.type == "cuda"
+            mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
+            self.prefill = compiled(prefill, self.device, dynamic=True)
+            self.decode_one = compiled(decode_one, self.device, mode=mode)
+            if spec:
+                self.cycle = compiled(self.cycle, self.device, mode=mode)
+            if spec and spec.mode == "lookup":
+                self.plain_cycle = compiled(lookup_step, self.device, mode=mode)
+
+    def reserve(self, max_len: int):
+        """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit."""
+        extra = (self.spec.verify_len + self.spec.depth + 2) if self.spec else 1
+        length = find_multiple(max_len + extra, 256)  # rounded up and only grown: compiled steps see few cache shapes
+        if self.target.max_seq_length < length:
+            self.target.setup_caches(length)
+        if self.head is not None:
+            ctx = self.target.max_seq_length
+            if self.head.max_seq_length != ctx + self.spec.scratch:
+                self.head.setup_caches(ctx + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
+        if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:
+            self.draft_model.setup_caches(self.target.max_seq_length)
+        if self.spec and self.spec.mode == "lookup" and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:
+            self.state.register_buffer("history", torch.zeros(self.target.max_seq_length, dtype=torch.long, device=self.device))
+
+    @torch.inference_mode()
+    def generate(self, prompt: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, on_tokens=None,
+                 lap=None) -> Result:
+        """Token ids of the answer to prompt (token ids), up to and including a stop token (default: the
+        model's). on_tokens(new ids) is called as tokens are committed (streaming). lap(name, **cycle_tensors):
+        run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle."""
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if not prompt:
+            raise UsageError("the prompt is empty (no tokens to condition on)")
+        if len(prompt) + max_new_tokens > self.target.args.block_size:
+            raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
+        self.reserve(len(prompt) + max_new_tokens)
+        self.target.taps = self.taps  # another Generator may share the target
+        stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
+        sync = dtypes.synchronizer(self.device)
+        sync()
+        t0 = time.perf_counter()
+        x = torch.tensor([prompt], device=self.device)
+        h, feats = self.prefill(self.target, x)
+        root = sampling.draw(self.target.output(h[-1]))
+        lap and lap("prefill")
+        out = [int(root)]
+        if on_tokens:
+            on_tokens(out[:])
+        hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
+        cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
+        if self.spec:
+            self._start(x, feats, root)
+            lap and lap("prefill")
+        while len(out) < max_new_tokens and out[-1] not in stop_ids:
+            if self.spec:
+                drafter = self.head if self.head is not None else self.draft_model
+                cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
+                if lap:
+                    chunk = eager_cycle(self.target, drafter, self.state, self.spec, sampling, lap).tolist()
+                else:
+                    chunk = cycle(self.target, drafter, self.state, self.spec, sampling).tolist()
+                if self.spec.mode == "lookup":
+                    drafts = bool(chunk.pop())
+                accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
+                hist[accept_len] += 1
+                cycles += 1
+            else:
+                pos = torch.tensor([len(prompt) + len(out) - 1], device=self.device)
+                new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
+            new = new[: max_new_tokens - len(out)]
+            for i, t in enumerate(new):
+                if t in stop_ids:
+                    new = new[: i + 1]
+                    break
+            out += new
+            if on_tokens:
+                on_tokens(new)
+        sync()
+        return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None)
+
+    def chat(self, messages, max_new_tokens: int = 200, sampling: Sampling = GREEDY, chat: bool = True) -> tuple:
+        """messages: a user turn (str) or a conversation [{"role", "content"}] -> (answer text, Result)."""
+        if isinstance(messages, str):
+            messages = [{"role": "user", "content": messages}]
+        args = self.target.args
+        result = self.generate(encode_prompt(self.tokenizer, args, messages, chat), max_new_tokens, sampling)
+        return self.tokenizer.decode([t for t in result.token_ids if t not in args.stop_tokens]), result
+
+    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor):
+        st, T = self.state, prompt.shape[1]
+        st.L.fill_(T)
+        st.root.copy_(root.view(1))
+        st.prev.copy_(prompt[0, -1:])
+        st.n_pend.fill_(1)
+        st.pend_tok[0] = root
+        st.pend_feat[0] = feats[-1].float()
+        if self.spec.mode == "lookup":
+            st.history[:T] = prompt[0]
+            st.history[T] = root
+        if self.head is not None and T > 1:
+            # The draft's context: feature f_j with token x_{j+1}; the last pair waits in pend_*.
+            pos = torch.arange(T - 1, device=self.device)
+            self.head(self.target.tok_embeddings(prompt[:, 1:]), feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
+        if self.draft_model is not None and T > 1:
+            prefill(self.draft_model, prompt[:, :-1])

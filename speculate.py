@@ -1,0 +1,256 @@
+# One speculative cycle, every shape fixed and one host sync at its end (Generator.generate reads the tokens):
+#   draft_context  the head reads the pairs (target feature f_j, next token x_{j+1}) committed last cycle
+#   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (spectree.py)
+#   verify         one target forward over [root] + m nodes
+#   commit         accept (spectree.py), move the accepted KV rows into place, queue the next pairs
+# tree_cycle runs them in that order; the eagle mode swaps draft_dynamic for the published static tree,
+# sps and lookup draft a chain (verify_chain). Everything here is a function of tensors: compiled as it is.
+from dataclasses import dataclass
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+from torch import Tensor
+
+import lookup
+import spectree
+from draft import DraftHead
+from model import Transformer, causal_mask
+from sampling import Sampling, sample
+
+MODES = ("none", "eagle2", "eagle", "sps", "lookup")
+CHAINS = ("sps", "lookup")
+_depths = spectree.static_tree()[1].tolist()
+STATIC_LEVELS = [sum(d < level for d in _depths) for level in range(max(_depths) + 2)]  # first node of each level
+
+
+@dataclass(frozen=True)
+class TreeSpec:
+    """The shape of a cycle; each field is what its mode reads. eagle2: depth levels, topk nodes expanded per
+    level (and children per node), num_draft_tokens (m) nodes verified besides the root. eagle: the published
+    EAGLE-1 tree (TreeSpec.static()). sps, lookup: a chain of k drafts (TreeSpec.chain(mode, k)), which is a
+    tree of depth k with one child per node."""
+    mode: str = "eagle2"  # eagle2 (dynamic tree) | eagle (static tree) | sps, lookup (chains)
+    depth: int = 6  # draft levels: a cycle commits at most depth + 1 tokens
+    topk: int = 10
+    num_draft_tokens: int = 60  # m
+
+    @classmethod
+    def chain(cls, mode: str, k: int) -> "TreeSpec":
+        return cls(mode, depth=k, topk=1, num_draft_tokens=k)
+
+    @classmethod
+    def static(cls) -> "TreeSpec":
+        return cls("eagle", depth=max(_depths), topk=max(p[-1] for p in spectree.EAGLE1_TREE) + 1, num_draft_tokens=len(spectree.EAGLE1_TREE))
+
+    def __post_init__(self):
+        if self.mode in CHAINS and (self.topk, self.num_draft_tokens) != (1, self.depth):
+            raise ValueError(f"a {self.mode} chain of k drafts is TreeSpec.chain({self.mode!r}, k)")
+        if self.mode == "eagle" and (self.depth, self.num_draft_tokens) != (max(_depths), len(spectree.EAGLE1_TREE)):
+            raise ValueError("the eagle mode's tree is fixed: TreeSpec.static()")
+
+    @property
+    def scratch(self) -> int:
+        """Draft KV slots for tree nodes, after the context slots."""
+        return {"eagle2": (self.depth - 1) * self.topk, "eagle": self.num_draft_tokens}.get(self.mode, 0)
+
+    @property
+    def verify_len(self) -> int:
+        return self.num_draft_tokens + 1
+
+
+class SpecState(nn.Module):
+    """Everything a cycle carries to the next, as buffers updated in place (CUDA-graph friendly).
+
+    L: committed tokens with target KV. root: the last committed token, in no cache yet.
+    pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real;
+    a feature is what target() returns beside the logits (dim wide, or taps * dim for EAGLE-3 heads).
+    prev: the token before root (sps: the draft model rereads it).
+    history (lookup): every committed token at [0, L], root included; reserve() sizes it with the caches."""
+
+    def __init__(self, spec: TreeSpec, dim: int, device):
+        super().__init__()
+        rows = spec.depth + 1
+        for name, shape, dtype in [("L", (), torch.long), ("root", (1,), torch.long), ("prev", (1,), torch.long),
+                                   ("n_pend", (), torch.long), ("pend_tok", (rows,), torch.long),
+                                   ("pend_feat", (rows, dim), torch.float32)]:
+            self.register_buffer(name, torch.zeros(shape, dtype=dtype, device=device))
+        if spec.mode == "eagle":
+            parents, depths, ranks = spectree.static_tree()
+            self.register_buffer("static_parents", parents.to(device))
+            self.register_buffer("static_ranks", ranks.to(device))
+            self.register_buffer("static_anc", spectree.ancestor_mask(parents, spec.depth)[1:, 1:].to(device))
+        if spec.mode == "eagle2":
+            self.register_buffer("scratch_eye", torch.eye(spec.scratch, dtype=torch.bool, device=device))
+
+
+def head_step(target: Transformer, head: DraftHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
+    """The head over n rows of target tokens -> (predicted features [n, dim], draft logits [n, V_draft])."""
+    h = head(target.tok_embeddings(tokens)[None], feats[None], pos, slots, mask)[0]
+    return h, head.logits(h, target.output)
+
+
+def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
+    """Writes the pending pairs into the draft KV (true target features only) and returns the head's
+    output at the last one, the predicted feature of the root."""
+    rows = torch.arange(spec.depth + 1, device=st.L.device)
+    slots = st.L - st.n_pend + rows  # rows past n_pend are padding, written past L and never read
+    mask = causal_mask(slots, head.max_seq_length)
+    h = head(target.tok_embeddings(st.pend_tok)[None], st.pend_feat[None], slots, slots, mask)[0]
+    return h.index_select(0, st.n_pend.view(1) - 1)[0]  # a tensor index keeps the graph free of syncs
+
+
+def scratch_mask(st: SpecState, head: DraftHead, anc: Tensor) -> Tensor:
+    """Draft mask for tree nodes: the whole committed context plus their ancestors in the scratch."""
+    ctx = head.max_seq_length - anc.shape[1]
+    prefix = torch.arange(ctx, device=anc.device) < st.L
+    return torch.cat([prefix.expand(anc.shape[0], ctx), anc], dim=-1)
+
+
+def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
+    """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
+    Returns the tree's tokens, parents and scores (each node's summed draft log-probs). spectree.grow sees
+    draft-vocabulary ids; the head reads, and the tree holds, target ids."""
+    k = spec.topk
+    ctx = head.max_seq_length - spec.scratch
+    feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
+
+    def step(level, tok, parent):
+        nonlocal feat, anc
+        slots = ctx + (level - 1) * k + torch.arange(k, device=tok.device)
+        anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
+        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k), slots,
+                                 scratch_mask(st, head, anc))
+        return F.log_softmax(logits.float(), dim=-1)
+
+    root_logp = F.log_softmax(head.logits(h_root, target.output).float(), dim=-1)
+    sel, pool_tok, pool_parent, pool_score = spectree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
+    tokens, parents = spectree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
+    return tokens, parents, F.pad(pool_score[sel], (1, 0))  # the root's score is 0
+
+
+def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
+    """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank."""
+    parents, ranks = st.static_parents, st.static_ranks
+    ctx = head.max_seq_length - spec.scratch
+    tokens, feats = [st.root], h_root[None]
+    top = head.target_ids(torch.topk(head.logits(h_root, target.output), spec.topk).indices[None])
+    for level in range(1, spec.depth + 1):
+        first, last = STATIC_LEVELS[level], STATIC_LEVELS[level + 1]
+        local_parent = parents[first:last] - STATIC_LEVELS[level - 1]
+        tok = top[local_parent, ranks[first:last]]
+        tokens.append(tok)
+        if level == spec.depth:
+            break
+        nodes = torch.arange(first, last, device=tok.device)
+        pos = (st.L - 1 + level).expand(last - first)
+        mask = scratch_mask(st, head, st.static_anc[nodes - 1])
+        feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
+        top = head.target_ids(torch.topk(logits, spec.topk).indices)
+    return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
+
+
+def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor):
+    """One target forward over the tree at slots L.., positions L + depth, each node seeing the
+    committed context and its ancestors."""
+    n, S = tokens.shape[0], target.max_seq_length
+    rel = torch.arange(S, device=tokens.device) - st.L
+    in_tree = (rel >= 0) & (rel < n)
+    mask = (rel < 0) | (anc[:, rel.clamp(0, n - 1)] & in_tree)
+    slots = st.L + torch.arange(n, device=tokens.device)
+    logits, h = target(tokens[None], st.L + depths, slots, mask)
+    return logits[0], h[0]
+
+
+def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h):
+    """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape;
+    rows past accept_len are garbage beyond the new length) and queues their features for the draft."""
+    rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
+    target.move_kv(st.L + path, st.L + rows)
+    nxt = torch.cat([tokens[path[1:]], bonus.view(1)])
+    nxt = torch.where(rows == accept_len, bonus, nxt)
+    st.pend_feat[: rows.shape[0]].copy_(h[path])
+    st.pend_tok[: rows.shape[0]].copy_(nxt)
+    st.n_pend.copy_(accept_len + 1)
+    st.prev.copy_(tokens[path[-1:]])
+    if spec.mode == "lookup":
+        st.history.index_copy_(0, st.L + 1 + rows, nxt)  # rows past accept_len lie past the new root: overwritten later
+    st.L.add_(accept_len + 1)
+    st.root.copy_(bonus.view(1))
+    return torch.cat([accept_len.view(1), nxt])
+
+
+def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """One EAGLE / EAGLE-2 cycle. Returns [accept_len, committed tokens (depth+1, the first
+    accept_len+1 real)]. lap(name), eager only, marks where each phase ends (bench.py's time split); at
+    "accept" it also gets the cycle's tokens, parents, draws and draft scores (calibration.py)."""
+    h_root = draft_context(target, head, st, spec)
+    draft_tree = draft_dynamic if spec.mode == "eagle2" else draft_static
+    tokens, parents, scores = draft_tree(target, head, st, spec, h_root)
+    lap and lap("draft")
+    anc = spectree.ancestor_mask(parents, spec.depth)
+    depths = anc.sum(-1) - 1
+    lap and lap("tree")
+    logits, h = verify(target, st, tokens, anc, depths)
+    lap and lap("verify")
+    draws = sampling.draw(logits)
+    accept_len, path, bonus = spectree.accept(tokens, parents, depths, draws, spec.depth)
+    out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
+    lap and lap("accept", tokens=tokens, parents=parents, draws=draws, scores=scores)
+    return out
+
+
+def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Tensor, sampling: Sampling, qs=None):
+    """Verify a chain [root, k drafts] and commit what it accepts. Drafts that are a function of the prefix
+    (greedy sps, lookup) take the tree rule, one target draw per node; sampled drafts with their
+    distributions qs take classic speculative sampling, min(1, p/q) and the residual."""
+    k = tokens.shape[0] - 1
+    chain = torch.arange(k + 1, device=tokens.device)
+    parents = (chain - 1).clamp(min=0)
+    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
+    if qs is None:
+        accept_len, path, bonus = spectree.accept(tokens, parents, chain, sampling.draw(logits), k)
+    else:
+        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(logits), qs)
+        path = chain.clamp(max=accept_len)
+    return commit(target, st, spec, tokens, accept_len, path, bonus, h)
+
+
+def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """Classic speculative sampling: a small draft LLM proposes a chain of k tokens."""
+    k, device = spec.depth, st.L.device
+    # The draft rereads the token before root, so its KV is complete even after a fully accepted chain.
+    pos = st.L - 1 + torch.arange(2, device=device)
+    logits = draft_model(torch.cat([st.prev, st.root])[None], pos, pos, causal_mask(pos, draft_model.max_seq_length))[0][0, -1]
+    drafts, qs = [], []
+    for i in range(k):
+        if i:
+            pos = (st.L + i).view(1)
+            logits = draft_model(drafts[-1].view(1, 1), pos, pos, causal_mask(pos, draft_model.max_seq_length))[0][0, -1]
+        if sampling.temperature == 0:
+            drafts.append(torch.argmax(logits))
+        else:
+            qs.append(sampling.probs(logits))
+            drafts.append(sample(qs[-1]))
+    lap and lap("draft")
+    out = verify_chain(target, st, spec, torch.cat([st.root, torch.stack(drafts)]), sampling, torch.stack(qs) if qs else None)
+    lap and lap("verify")
+    return out
+
+
+def lookup_cycle(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None, drafts: bool = True) -> Tensor:
+    """Prompt lookup: the chain is what followed the last occurrence of the text's latest n-gram (lookup.py).
+    Returns the commit's [accept_len, tokens] and whether the next cycle has a match: without one the
+    Generator runs this with drafts=False, a one-token verify (a plain decode step), instead of paying for
+    k drafts that would be rejected."""
+    chain, _ = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
+    lap and lap("draft")
+    out = verify_chain(target, st, spec, torch.cat([st.root, chain]) if drafts else st.root, sampling)
+    lap and lap("verify")
+    _, found = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
+    return torch.cat([out, found.view(1)])
+
+
+def lookup_step(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
+    """lookup_cycle without drafts: what runs while the text has no n-gram to draft from."""
+    return lookup_cycle(target, _drafter, st, spec, sampling, lap, drafts=False)
