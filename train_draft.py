@@ -53,6 +53,7 @@ class TrainConfig(DataConfig):  # the data fields (requests, answers, features) 
     max_seconds: float = 0.0  # stop cleanly (data cached, state saved) after this long; 0 = no limit
     resume: bool = False
     data_only: bool = False  # stop once the data is written (a long generation job)
+    train_only: bool = False  # train on the conversations already featurised in the data dir, writing no more
     init: Optional[Path] = None  # start from this head's weights (fine-tuning on new data)
     threads: int = 0  # torch threads (0: torch's default); on a busy machine fewer threads can be faster
     device: Optional[str] = None
@@ -313,6 +314,7 @@ HELP = {
     "max_seconds": "stop cleanly after this long (rerun, with --resume once training started)",
     "resume": "continue training from --out/train_state.pt",
     "data_only": "stop once the data is written (rerun to continue it)",
+    "train_only": "train on the conversations whose features are already in --data-dir; generate nothing",
     "init": "start from this head's weights instead of a fresh head",
     "arch": "eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test",
     "ttt_steps": "eagle3: draft steps unrolled in training (official 7)",
@@ -363,7 +365,13 @@ def run(cfg: TrainConfig) -> int:
     tokenizer = load_tokenizer(checkpoint)
     cfg.out.mkdir(parents=True, exist_ok=True)
     deadline = time.monotonic() + (cfg.max_seconds or math.inf)
-    convs, complete = distill.build(cfg, target, tokenizer, deadline)
+    if cfg.train_only and cfg.data_only:
+        raise UsageError("--train-only and --data-only exclude each other")
+    if cfg.train_only:
+        done = distill.featurised_ids(cfg.data)
+        convs, complete = [c for c in distill.read_jsonl(cfg.data / "conversations.jsonl") if c["id"] in done], True
+    else:
+        convs, complete = distill.build(cfg, target, tokenizer, deadline)
     if not complete:
         print(f"stopped after {cfg.max_seconds} s with {len(convs)} conversations: rerun to continue", file=sys.stderr)
         return 0

@@ -72,6 +72,17 @@ def test_resume_continues_from_saved_step(trained):
     assert resumed < sum(r["loss"] for r in log[:3]) / 3  # the trained weights came back, not a fresh head
 
 
+def test_train_only_uses_the_featurised_data_and_writes_none(trained, tmp_path):
+    ckpt, out, *_ = trained
+    before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in (".jsonl", ".safetensors") and "head" not in p.parts}
+    argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path), *TRAIN_ARGS, "--epochs", "1"]
+    assert train_draft.main([*argv, "--num-prompts", "50", "--train-only"]) == 0  # 50 wanted, 6 there: trains on the 6
+    after = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in (".jsonl", ".safetensors") and "head" not in p.parts}
+    assert after == before and len((out / "conversations.jsonl").read_text().splitlines()) == 6
+    assert len((tmp_path / "train_log.jsonl").read_text().splitlines()) == STEPS_PER_EPOCH
+    assert train_draft.main([*argv, "--train-only", "--data-only"]) == 2
+
+
 def test_head_is_lossless_and_accepts(trained):
     ckpt, out, _, _ = trained
     target, tok = load_model(ckpt), load_tokenizer(ckpt)
