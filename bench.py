@@ -46,10 +46,11 @@ class Lap:
         self.t = now
 
 
-def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None) -> dict:
+def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None, reuse=False) -> dict:
     """Generates an answer for every turn (first turns unless --multi-turn); returns totals and every answer's
-    token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds)."""
-    totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[])
+    token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds).
+    reuse: a turn prefills only what the caches do not hold from the conversation's earlier turns."""
+    totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[], prefill=[])
     it = conversations
     if progress:
         from tqdm import tqdm
@@ -57,12 +58,13 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
         it = tqdm(conversations, desc=name or (gen.spec.mode if gen.spec else "none"), file=sys.stderr, leave=False)
     for turns in it:
         messages = []
-        for turn in turns if a.multi_turn else turns[:1]:
+        for t, turn in enumerate(turns if a.multi_turn else turns[:1]):
             messages.append({"role": "user", "content": turn})
             prompt = encode_prompt(tokenizer, margs, messages, chat=True)
             torch.manual_seed(a.seed)
             if isinstance(gen, Generator):
-                r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens)
+                r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, reuse=reuse)
+                totals["prefill"].append((t, r.prefill_seconds, r.prefilled, len(prompt)))
             else:
                 r = Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
             totals["outputs"].append(r.token_ids)
@@ -117,6 +119,11 @@ def bench(a) -> dict:
         gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
         results[mode], outputs[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
         _partial(a, base, conversations, results)
+    if a.multi_turn and "none" in results:  # the same turns, each prefilled from scratch: what reuse saves
+        name = "none, no reuse"
+        results[name], outputs[name] = _timed_row("none", base, tokenizer, margs, conversations, a, sampling, reuse=False)
+        results[name]["mode"] = name
+        _partial(a, base, conversations, results)
     for q in a.quantize.split(",") if a.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
         qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
@@ -167,23 +174,33 @@ def longest_context(tokenizer, margs, conversations, a) -> int:
     return max(map(length, conversations))
 
 
-def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling) -> tuple:
-    """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode)."""
+def prefill_per_turn(prefill: list) -> dict:
+    """Mean prefill time, tokens prefilled and prompt tokens at each turn index, from run_mode's records."""
+    turns = sorted({t for t, *_ in prefill})
+    mean = lambda i, t: sum(r[i] for r in prefill if r[0] == t) / sum(r[0] == t for r in prefill)  # noqa: E731
+    return {"prefill_ms_per_turn": [round(1000 * mean(1, t), 2) for t in turns],
+            "prefilled_tokens_per_turn": [round(mean(2, t), 1) for t in turns], "prompt_tokens_per_turn": [round(mean(3, t), 1) for t in turns]}
+
+
+def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reuse=None) -> tuple:
+    """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode). reuse: default --multi-turn."""
+    reuse = a.multi_turn if reuse is None else reuse
     ours = isinstance(gen, Generator)
     if ours:  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
         gen.reserve(longest_context(tokenizer, margs, conversations, a))
     t0 = time.perf_counter()
-    run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False)  # warm-up and compile
+    run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False, reuse=reuse)  # warm-up and compile
     warmup = time.perf_counter() - t0
     device = gen.device if ours else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling, name=mode)
+    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling, name=mode, reuse=reuse)
     row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
            "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
            "peak_memory_mb": round(peak_memory_mb(device), 1)}
     if not ours:
         return row, tot["outputs"]
+    row.update(reuse=reuse, **prefill_per_turn(tot["prefill"]))
     if gen.spec:
         row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
                    **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
@@ -276,6 +293,12 @@ def print_table(report: dict):
         print(f"{r['mode']:20} {shape:12} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
               f"{r.get('cycle_ms', 1000 * r['seconds'] / max(r['new_tokens'], 1)):9.2f} {r['warmup_s']:9.2f} {r['peak_memory_mb']:8.0f} "
               f"{'' if same is None else f'{same:.2f}':>5}  {extra}")
+    if report["multi_turn"]:
+        print("prefill per turn (ms, tokens prefilled of the prompt's):")
+        for r in report["modes"].values():
+            if "prefill_ms_per_turn" in r:
+                print(f"{r['mode']:20} " + "   ".join(f"turn {t + 1}: {ms:8.2f} ms {n:7.1f} / {p:7.1f}" for t, (ms, n, p) in enumerate(
+                    zip(r["prefill_ms_per_turn"], r["prefilled_tokens_per_turn"], r["prompt_tokens_per_turn"]))))
 
 
 def main(argv=None) -> int:

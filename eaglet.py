@@ -21,7 +21,7 @@ from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
-from speculate import CHAINS, MODES, SpecState, TreeSpec, lookup_cycle, lookup_step, sps_cycle, tree_cycle
+from speculate import CHAINS, MODES, SpecState, TreeSpec, draft_context, lookup_cycle, lookup_step, sps_cycle, tree_cycle
 from tokenizer import encode_prompt, load_tokenizer
 
 GREEDY = Sampling()
@@ -135,9 +135,10 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
 
 # ---------------------------------------------------------------- the steps a Generator compiles
 
-def prefill(model: Transformer, prompt: Tensor) -> tuple:
-    """prompt [1, T] -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV slots [0, T)."""
-    pos = torch.arange(prompt.shape[1], device=prompt.device)
+def prefill(model: Transformer, prompt: Tensor, start: Tensor) -> tuple:
+    """prompt [1, T] at positions start.. -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV
+    slots [start, start + T), attending to the slots before start (a conversation's earlier turns)."""
+    pos = start + torch.arange(prompt.shape[1], device=prompt.device)
     h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length))
     return h[0], feat[0]
 
@@ -155,6 +156,8 @@ class Result:
     seconds: float
     cycles: int = 0
     accept_hist: Optional[list] = None  # cycles that accepted 0, 1, ... depth draft tokens
+    prefilled: int = 0  # prompt tokens the prefill ran over (fewer than the prompt's when a conversation was reused)
+    prefill_seconds: float = 0.0
 
     def metrics(self, spec: Optional[TreeSpec]) -> dict:
         out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
@@ -245,8 +248,10 @@ class Generator:
             if spec and spec.mode == "lookup":
                 self.plain_cycle = compiled(lookup_step, self.device, mode=mode)
 
-    def reserve(self, max_len: int):
-        """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit."""
+    def reserve(self, max_len: int) -> bool:
+        """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit. -> True when the
+        target's caches were reallocated (and hold nothing any more)."""
+        before = self.target.max_seq_length
         extra = (self.spec.verify_len + self.spec.depth + 2) if self.spec else 1
         length = find_multiple(max_len + extra, 256)  # rounded up and only grown: compiled steps see few cache shapes
         if self.target.max_seq_length < length:
@@ -259,28 +264,49 @@ class Generator:
             self.draft_model.setup_caches(self.target.max_seq_length)
         if self.spec and self.spec.mode == "lookup" and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:
             self.state.register_buffer("history", torch.zeros(self.target.max_seq_length, dtype=torch.long, device=self.device))
+        return self.target.max_seq_length != before
+
+    def reusable(self, prompt: list) -> int:
+        """How many leading prompt tokens the caches already hold from this Generator's last answer (a chat's
+        earlier turns): the target's KV up to the last token it read, and for a head its draft context pairs."""
+        owner, stream = getattr(self.target, "kv_stream", (None, []))
+        if owner is not self or self.draft_model is not None:  # another Generator used the target since; sps: no reuse
+            return 0
+        common = next((i for i, (a, b) in enumerate(zip(prompt, stream)) if a != b), min(len(prompt), len(stream)))
+        start = min(common, len(stream) - 1, len(prompt) - 1)  # the KV holds every token but the last one generated
+        if self.head is not None:
+            # Write the pairs still pending into the draft's context; pair j also reads token j+1, which must agree.
+            draft_context(self.target, self.head, self.state, self.spec)
+            start = min(start, common - 1, int(self.state.L))
+        return max(start, 0)
 
     @torch.inference_mode()
     def generate(self, prompt: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, on_tokens=None,
-                 lap=None) -> Result:
+                 lap=None, reuse: bool = False) -> Result:
         """Token ids of the answer to prompt (token ids), up to and including a stop token (default: the
         model's). on_tokens(new ids) is called as tokens are committed (streaming). lap(name, **cycle_tensors):
-        run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle."""
+        run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle.
+        reuse: prefill only what the caches do not hold yet from this Generator's last prompt and answer (a
+        chat's next turn); the answer is the same as without."""
         if max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
         if not prompt:
             raise UsageError("the prompt is empty (no tokens to condition on)")
         if len(prompt) + max_new_tokens > self.target.args.block_size:
             raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
-        self.reserve(len(prompt) + max_new_tokens)
+        fresh = self.reserve(len(prompt) + max_new_tokens)
         self.target.taps = self.taps  # another Generator may share the target
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
         sync = dtypes.synchronizer(self.device)
         sync()
         t0 = time.perf_counter()
+        start = self.reusable(prompt) if reuse and not fresh else 0
+        self.target.kv_stream = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
         x = torch.tensor([prompt], device=self.device)
-        h, feats = self.prefill(self.target, x)
+        h, feats = self.prefill(self.target, x[:, start:], torch.tensor(start, device=self.device))
         root = sampling.draw(self.target.output(h[-1]))
+        sync()
+        prefill_seconds = time.perf_counter() - t0
         lap and lap("prefill")
         out = [int(root)]
         if on_tokens:
@@ -288,7 +314,7 @@ class Generator:
         hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
         cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
         if self.spec:
-            self._start(x, feats, root)
+            self._start(x, feats, root, start)
             lap and lap("prefill")
         while len(out) < max_new_tokens and out[-1] not in stop_ids:
             if self.spec:
@@ -315,7 +341,8 @@ class Generator:
             if on_tokens:
                 on_tokens(new)
         sync()
-        return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None)
+        self.target.kv_stream = (self, prompt + out)
+        return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
 
     def chat(self, messages, max_new_tokens: int = 200, sampling: Sampling = GREEDY, chat: bool = True) -> tuple:
         """messages: a user turn (str) or a conversation [{"role", "content"}] -> (answer text, Result)."""
@@ -325,7 +352,8 @@ class Generator:
         result = self.generate(encode_prompt(self.tokenizer, args, messages, chat), max_new_tokens, sampling)
         return self.tokenizer.decode([t for t in result.token_ids if t not in args.stop_tokens]), result
 
-    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor):
+    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor, start: int = 0):
+        """The cycle's state after a prefill of prompt[start:] (feats: its rows)."""
         st, T = self.state, prompt.shape[1]
         st.L.fill_(T)
         st.root.copy_(root.view(1))
@@ -336,9 +364,9 @@ class Generator:
         if self.spec.mode == "lookup":
             st.history[:T] = prompt[0]
             st.history[T] = root
-        if self.head is not None and T > 1:
+        if self.head is not None and T - 1 > start:
             # The draft's context: feature f_j with token x_{j+1}; the last pair waits in pend_*.
-            pos = torch.arange(T - 1, device=self.device)
-            self.head(self.target.tok_embeddings(prompt[:, 1:]), feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
+            pos = torch.arange(start, T - 1, device=self.device)
+            self.head(self.target.tok_embeddings(prompt[:, start + 1:]), feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
         if self.draft_model is not None and T > 1:
-            prefill(self.draft_model, prompt[:, :-1])
+            prefill(self.draft_model, prompt[:, :-1], torch.tensor(0, device=self.device))

@@ -1,5 +1,6 @@
-# The command line: answer one prompt with vanilla or speculative decoding, streaming the text as it is
-# committed. Everything it does goes through eaglet.load_generator; read eaglet.py next, then speculate.py.
+# The command line: answer one prompt, or chat (--interactive), with vanilla or speculative decoding, streaming
+# the text as it is committed. Everything it does goes through eaglet.load_generator; read eaglet.py next, then
+# speculate.py.
 import argparse
 import json
 import sys
@@ -36,7 +37,61 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    p.add_argument("--interactive", action="store_true", help="chat in the terminal; the caches keep the conversation between turns")
     return p
+
+
+def status_line(result, spec) -> str:
+    m = result.metrics(spec)
+    parts = [f"{m['new_tokens']} tokens", f"{m['tokens_per_s']} tok/s"] + ([f"tau {m['mean_accept_len']}"] if "mean_accept_len" in m else [])
+    return "[" + ", ".join(parts + [f"prefilled {result.prefilled} tokens"]) + "]"
+
+
+def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
+    """The terminal chat: a user turn per line, each answer streamed, then a status line. The conversation's
+    earlier turns stay in the caches (Generator.generate(reuse=True)): a turn prefills only what is new."""
+    margs, messages = gen.target.args, []
+    dim = (lambda s: f"\033[2m{s}\033[0m") if sys.stderr.isatty() else (lambda s: s)
+    print(dim("chat: /reset clears the conversation, /exit or end of input leaves, Ctrl-C stops an answer"), file=sys.stderr)
+    while True:
+        try:
+            text = input("> " if sys.stdin.isatty() else "").strip()
+        except (EOFError, KeyboardInterrupt):
+            print(file=sys.stderr)
+            return 0
+        if text == "/exit":
+            return 0
+        if text == "/reset":
+            messages = []
+            print(dim("[conversation cleared]"), file=sys.stderr)
+            continue
+        if not text:
+            continue
+        turn = messages + [{"role": "user", "content": text}]
+        prompt = encode_prompt(tokenizer, margs, turn, chat_template)
+        if len(prompt) + a.max_new_tokens > margs.block_size:
+            print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {a.max_new_tokens} would exceed the context of "
+                  f"{margs.block_size}: /reset to start over", file=sys.stderr)
+            continue
+        decoder, ids = StreamDecoder(tokenizer), []
+
+        def stream(new):
+            ids.extend(t for t in new if t not in margs.stop_tokens)
+            if not a.json:
+                print(decoder.push(ids), end="", flush=True)
+
+        try:
+            result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream, reuse=True)
+            status = status_line(result, gen.spec)
+        except KeyboardInterrupt:  # the answer so far stays in the conversation; the next turn prefills it afresh
+            result, status = None, "[stopped]"
+        messages = turn + [{"role": "assistant", "content": tokenizer.decode(ids)}]
+        if a.json:  # one object per answer: a transcript a program can read
+            print(json.dumps({"text": messages[-1]["content"], "prompt_tokens": len(prompt)}
+                             | ({"token_ids": result.token_ids, "prefilled": result.prefilled, **result.metrics(gen.spec)} if result else {"stopped": True})))
+            continue
+        print()
+        print(dim(status), file=sys.stderr)
 
 
 def main(argv=None) -> int:
@@ -48,9 +103,13 @@ def main(argv=None) -> int:
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
                                         draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
         margs = gen.target.args
-        chat = a.chat if a.chat is not None else bool(margs.chat_template)
-        prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": a.prompt}], chat)
+        chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)
+        if a.interactive:
+            if tp.world_size() > 1:
+                raise UsageError("--interactive runs in one process, not under torchrun")
+            return chat(gen, tokenizer, a, sampling, chat_template)
+        prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": a.prompt}], chat_template)
         stream = None
         if not a.json and not quiet:
             decoder, ids = StreamDecoder(tokenizer), []
