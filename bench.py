@@ -97,7 +97,7 @@ def mode_options(a, mode: str) -> dict:
     length to sps and lookup."""
     options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
     if mode == "eagle2":
-        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens)
+        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots)
     if mode in CHAINS:
         options.update(speculate_k=a.speculate_k)
     return options
@@ -276,7 +276,7 @@ def print_shape_table(result: dict):
 
 
 def _shape(spec: dict) -> str:
-    return f"m{spec['num_draft_tokens']} d{spec['depth']} k{spec['topk']}"
+    return f"m{spec['num_draft_tokens']} d{spec['depth']} k{spec['topk']}" + (f" +{spec['lookup_slots']}" if spec.get("lookup_slots") else "")
 
 
 def print_table(report: dict):
@@ -322,6 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--speculate-k", type=int, default=None)
+    p.add_argument("--lookup-slots", type=int, default=0, help="eagle2: tree nodes filled from the prompt lookup match")
     p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
@@ -344,7 +345,7 @@ def main(argv=None) -> int:
         if a.num_prompts is not None and a.num_prompts < 1:
             raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
         for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads
-            check_options(mode, **{k: v for k, v in mode_options(a, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab")})
+            check_options(mode, **{k: v for k, v in mode_options(a, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "lookup_slots")})
         check_sampling(a.temperature, a.top_k, a.top_p)
         if a.max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")

@@ -35,17 +35,18 @@ def log_stderr(message: str):
 
 def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile: bool = False,
                    depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, draft_checkpoint=None,
-                   target: Optional[Transformer] = None, log=log_stderr) -> tuple:
+                   lookup_slots: int = 0, target: Optional[Transformer] = None, log=log_stderr) -> tuple:
     """-> (Generator, tokenizer). Raises UsageError on bad input.
 
     checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
     (None: the shipped head of the default model); speculate: none | eagle2 | eagle | sps | lookup.
     device, dtype (str or torch.dtype): None picks CUDA if present and the dtype this device decodes fastest.
     depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
+    lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (none when the text has none);
     speculate_k: the sps / lookup chain; draft_vocab: draft over the head's N most frequent tokens (0: all of the
     target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
     (bench.py runs every mode on one)."""
-    check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab)
+    check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab, lookup_slots)
     default = checkpoint is None
     try:
         checkpoint = default_checkpoint() if default else Path(checkpoint)
@@ -61,7 +62,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     if speculate == "sps" and draft_checkpoint is None:
         raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
     draft_model = load_draft_model(draft_checkpoint, target) if speculate == "sps" else None
-    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log)
+    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots)
     tokenizer = load_tokenizer(checkpoint)
     return Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer), tokenizer
 
@@ -82,7 +83,7 @@ def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transfor
     return target
 
 
-def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None):
+def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, lookup_slots=0):
     if speculate not in MODES:
         raise UsageError(f"unknown --speculate mode {speculate!r}; choose from {', '.join(MODES)}")
     for flag, value in (("depth", depth), ("topk", topk), ("num-draft-tokens", num_draft_tokens), ("speculate-k", speculate_k)):
@@ -95,6 +96,8 @@ def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, specu
                          + (" (its chain length is --speculate-k)" if speculate in CHAINS else ""))
     if speculate not in CHAINS and speculate_k:
         raise UsageError(f"--speculate-k is the sps / lookup chain length, not {speculate}'s")
+    if lookup_slots and (speculate != "eagle2" or lookup_slots < 0):
+        raise UsageError("--lookup-slots adds a non-negative number of nodes to the eagle2 tree")
 
 
 def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
@@ -108,7 +111,7 @@ def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0)
 
 
 def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
-              speculate_k=None, compile=False, log=log_stderr) -> Optional[TreeSpec]:
+              speculate_k=None, compile=False, log=log_stderr, lookup_slots=0) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what is left open is sized for this device: sizing.measure_tree times the
     target and head once (compiled when the cycle will be) and caches the result."""
     if speculate == "none":
@@ -130,7 +133,9 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target) if compile else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m)
+    if lookup_slots > depth:
+        raise UsageError(f"--lookup-slots {lookup_slots} exceeds the tree's depth {depth}")
+    return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=lookup_slots)
 
 
 # ---------------------------------------------------------------- the steps a Generator compiles
@@ -262,7 +267,7 @@ class Generator:
                 self.head.setup_caches(ctx + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
         if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:
             self.draft_model.setup_caches(self.target.max_seq_length)
-        if self.spec and self.spec.mode == "lookup" and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:
+        if self.spec and self.spec.history and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:
             self.state.register_buffer("history", torch.zeros(self.target.max_seq_length, dtype=torch.long, device=self.device))
         return self.target.max_seq_length != before
 
@@ -361,7 +366,7 @@ class Generator:
         st.n_pend.fill_(1)
         st.pend_tok[0] = root
         st.pend_feat[0] = feats[-1].float()
-        if self.spec.mode == "lookup":
+        if self.spec.history:
             st.history[:T] = prompt[0]
             st.history[T] = root
         if self.head is not None and T - 1 > start:

@@ -34,6 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=None, help="eagle2: draft levels (default: sized for the device)")
     p.add_argument("--topk", type=int, default=None, help="eagle2: nodes expanded per level, children per node (default: sized for the device)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="eagle2: m, tree nodes verified besides the root (default: sized for the device)")
+    p.add_argument("--lookup-slots", type=int, default=0, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (when the text has an n-gram match)")
     p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -101,7 +102,7 @@ def main(argv=None) -> int:
         sampling = check_sampling(a.temperature, a.top_k, a.top_p)
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
+                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots)
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)

@@ -69,6 +69,24 @@ def tree_from_pool(sel: Tensor, pool_tokens: Tensor, pool_parents: Tensor, root:
     return tokens, parents
 
 
+def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
+    """Adds a chain of s tokens continuing the root (prompt lookup's draft) to a tree: s more nodes, chain token i at
+    depth i+1. Where the tree already holds the chain's prefix, the chain follows it instead of doubling it (two
+    siblings with one token would give that token two chances at T > 0) and the slot stays dead; a chain that was
+    not found is all dead. -> (tokens, parents, live [n+s] bool): dead nodes must never be accepted."""
+    n = tokens.shape[0]
+    node = torch.arange(n + chain.shape[0], device=tokens.device)
+    live = torch.ones(n, dtype=torch.bool, device=tokens.device)
+    cur = torch.zeros((), dtype=torch.long, device=tokens.device)  # the node the chain has reached: the root first
+    for i in range(chain.shape[0]):
+        twin = (parents == cur) & (tokens == chain[i]) & live & (node[: n + i] != 0)
+        exists = twin.any()
+        tokens, parents = torch.cat([tokens, chain[i].view(1)]), torch.cat([parents, cur.view(1)])
+        live = torch.cat([live, (found & ~exists & live[cur]).view(1)])
+        cur = torch.where(exists, twin.int().argmax(), n + i)
+    return tokens, parents, live
+
+
 def ancestor_mask(parents: Tensor, depth: int) -> Tensor:
     """[n, n] bool: row i marks i and its ancestors. depth rounds of "my row |= my parent's row"."""
     n = parents.shape[0]

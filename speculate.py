@@ -34,6 +34,7 @@ class TreeSpec:
     depth: int = 6  # draft levels: a cycle commits at most depth + 1 tokens
     topk: int = 10
     num_draft_tokens: int = 60  # m
+    lookup_slots: int = 0  # eagle2: s more nodes, the prompt lookup chain continuing the root (spectree.graft_chain)
 
     @classmethod
     def chain(cls, mode: str, k: int) -> "TreeSpec":
@@ -48,6 +49,8 @@ class TreeSpec:
             raise ValueError(f"a {self.mode} chain of k drafts is TreeSpec.chain({self.mode!r}, k)")
         if self.mode == "eagle" and (self.depth, self.num_draft_tokens) != (max(_depths), len(spectree.EAGLE1_TREE)):
             raise ValueError("the eagle mode's tree is fixed: TreeSpec.static()")
+        if self.lookup_slots and (self.mode != "eagle2" or self.lookup_slots > self.depth):
+            raise ValueError("lookup slots go into an eagle2 tree, at most depth of them")
 
     @property
     def scratch(self) -> int:
@@ -56,7 +59,12 @@ class TreeSpec:
 
     @property
     def verify_len(self) -> int:
-        return self.num_draft_tokens + 1
+        return self.num_draft_tokens + self.lookup_slots + 1
+
+    @property
+    def history(self) -> bool:
+        """Whether the cycle keeps every committed token (SpecState.history): what prompt lookup matches in."""
+        return self.mode == "lookup" or self.lookup_slots > 0
 
 
 class SpecState(nn.Module):
@@ -173,7 +181,7 @@ def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonu
     st.pend_tok[: rows.shape[0]].copy_(nxt)
     st.n_pend.copy_(accept_len + 1)
     st.prev.copy_(tokens[path[-1:]])
-    if spec.mode == "lookup":
+    if spec.history:
         st.history.index_copy_(0, st.L + 1 + rows, nxt)  # rows past accept_len lie past the new root: overwritten later
     st.L.add_(accept_len + 1)
     st.root.copy_(bonus.view(1))
@@ -187,6 +195,11 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     h_root = draft_context(target, head, st, spec)
     draft_tree = draft_dynamic if spec.mode == "eagle2" else draft_static
     tokens, parents, scores = draft_tree(target, head, st, spec, h_root)
+    live = None
+    if spec.lookup_slots:
+        chain, found = lookup.ngram_draft(st.history, st.L + 1, spec.lookup_slots)
+        tokens, parents, live = spectree.graft_chain(tokens, parents, chain, found)
+        scores = None  # the chain has no draft confidence
     lap and lap("draft")
     anc = spectree.ancestor_mask(parents, spec.depth)
     depths = anc.sum(-1) - 1
@@ -194,7 +207,8 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     logits, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
     draws = sampling.draw(logits)
-    accept_len, path, bonus = spectree.accept(tokens, parents, depths, draws, spec.depth)
+    accept_tokens = tokens if live is None else torch.where(live, tokens, -1)  # a dead slot matches no draw
+    accept_len, path, bonus = spectree.accept(accept_tokens, parents, depths, draws, spec.depth)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
     lap and lap("accept", tokens=tokens, parents=parents, draws=draws, scores=scores)
     return out

@@ -447,3 +447,21 @@ def test_fuzz_grow_and_accept_never_crash_stay_closed_and_accept_matching_paths(
         assert path.tolist() == want + [want[-1]] * (depth - a)
         assert bonus.item() == draws[want[-1]].item()
         assert all(tokens[n].item() == draws[p[n]].item() for n in want[1:])
+
+
+def test_graft_chain_follows_the_tree_and_never_doubles_a_sibling():
+    # root -> a(5) -> b(7); root -> c(6). The chain 5 7 9 4 follows a and b, then grows 9 -> 4 under b.
+    tokens, parents = torch.tensor([0, 5, 6, 7]), torch.tensor([0, 0, 0, 1])
+    t, p, live = spectree.graft_chain(tokens, parents, torch.tensor([5, 7, 9, 4]), torch.tensor(True))
+    assert t.tolist() == [0, 5, 6, 7, 5, 7, 9, 4] and p.tolist() == [0, 0, 0, 1, 0, 1, 3, 6]
+    assert live.tolist() == [True] * 4 + [False, False, True, True]
+    depths = spectree.ancestor_mask(p, 4).sum(-1) - 1
+    assert depths[4:].tolist() == [1, 2, 3, 4]  # chain token i sits at depth i+1 whatever it follows
+    for node in range(len(t)):  # live siblings never share a token
+        sib = [int(t[j]) for j in range(1, len(t)) if live[j] and p[j] == p[node] and j != node]
+        assert not live[node] or node == 0 or int(t[node]) not in sib
+    _, _, dead = spectree.graft_chain(tokens, parents, torch.tensor([5, 7, 9, 4]), torch.tensor(False))
+    assert dead.tolist() == [True] * 4 + [False] * 4  # no match: the slots are there (fixed shape) but dead
+    # A chain leaving the tree at once: all four slots live, a path under the root.
+    t, p, live = spectree.graft_chain(tokens, parents, torch.tensor([8, 5, 7, 1]), torch.tensor(True))
+    assert p.tolist()[4:] == [0, 4, 5, 6] and live[4:].all()

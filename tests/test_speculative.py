@@ -40,6 +40,7 @@ SPECS = {
     "sps-random": TreeSpec.chain("sps", 4),
     "sps-self": TreeSpec.chain("sps", 4),
     "lookup": TreeSpec.chain("lookup", 4),
+    "eagle2-lookup": TreeSpec("eagle2", 4, 4, 8, lookup_slots=4),
 }
 VARIANTS = {
     "gqa": dict(n_head=4, n_local_heads=2),
@@ -226,13 +227,19 @@ SAMPLING_SPECS = {
     "eagle": TreeSpec.static(),
     "sps": TreeSpec.chain("sps", 2),
     "lookup": TreeSpec.chain("lookup", 2),
+    "eagle2-lookup": TreeSpec("eagle2", 3, 4, 10, lookup_slots=3),
 }
 T1 = Sampling(1.0)
+# Every pair of tokens once (a de Bruijn sequence): whatever the first token, the text's last 2-gram has occurred,
+# so the lookup slots are filled at every cycle and often double a tree node's token (graft_chain must not).
+DE_BRUIJN = [0, 0, 1, 0, 2, 0, 3, 0, 4, 0, 5, 0, 6, 0, 7, 1, 1, 2, 1, 3, 1, 4, 1, 5, 1, 6, 1, 7, 2, 2, 3, 2, 4, 2, 5, 2, 6, 2, 7,
+             3, 3, 4, 3, 5, 3, 6, 3, 7, 4, 4, 5, 4, 6, 4, 7, 5, 5, 6, 5, 7, 6, 6, 7, 7, 0]
+PROMPTS = {"eagle2-lookup": DE_BRUIJN}
 
 
 @pytest.fixture(scope="module")
 def small_vocab(single_thread, tiny_args, random_model, random_head):
-    args = tiny_args(dim=32, n_head=4, n_local_heads=2, intermediate_size=64, vocab_size=V, block_size=64)
+    args = tiny_args(dim=32, n_head=4, n_local_heads=2, intermediate_size=64, vocab_size=V, block_size=128)
     target = random_model(args, seed=0)
     # An over-confident copy of the target (logits x2): high acceptance, and a residual
     # norm(max(0, p - q)) far from p, so a wrong residual shows up strongly.
@@ -261,12 +268,12 @@ def exact_distribution(model, sampling, prompt, n=3):
     return joint
 
 
-def sample_first_tokens(gen, sampling):
+def sample_first_tokens(gen, sampling, prompt=PROMPT):
     """Counts of the first 3 tokens over SAMPLES runs, and the summed accept-length histogram."""
     torch.manual_seed(0)
     counts, hist = torch.zeros([V] * 3), 0
     for _ in range(SAMPLES):
-        result = gen.generate(PROMPT, 3, sampling)
+        result = gen.generate(prompt, 3, sampling)
         counts[tuple(result.token_ids)] += 1
         hist = hist + torch.tensor(result.accept_hist or [0])
     return counts, hist
@@ -282,10 +289,11 @@ def test_exact_distribution_matches_vanilla_sampling(small_vocab, chi2_pvalue):
 @pytest.mark.parametrize("sampling", [T1, Sampling(0.7, top_p=0.9)], ids=["T1", "T0.7-top-p0.9"])
 @pytest.mark.parametrize("mode", SAMPLING_SPECS)
 def test_speculative_sampling_follows_the_target_distribution(small_vocab, chi2_pvalue, mode, sampling):
-    counts, hist = sample_first_tokens(small_vocab.generator(mode), sampling)
+    prompt = PROMPTS.get(mode, PROMPT)
+    counts, hist = sample_first_tokens(small_vocab.generator(mode), sampling, prompt)
     tau = (hist * torch.arange(1, len(hist) + 1)).sum() / hist.sum()
     assert tau > 1.2 and hist[0] > 0  # cycles both accept and reject drafts, so the test means something
-    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, sampling, PROMPT)) > 1e-3
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, sampling, prompt)) > 1e-3
 
 
 @pytest.fixture
@@ -307,10 +315,11 @@ def fresh_bonus(monkeypatch):
     monkeypatch.setattr(spectree, "accept", accept)
 
 
-@pytest.mark.parametrize("mode", ["eagle2", "eagle", "lookup"])
+@pytest.mark.parametrize("mode", ["eagle2", "eagle", "lookup", "eagle2-lookup"])
 def test_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fresh_bonus, mode):
-    counts, _ = sample_first_tokens(small_vocab.generator(mode), T1)
-    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
+    prompt = PROMPTS.get(mode, PROMPT)
+    counts, _ = sample_first_tokens(small_vocab.generator(mode), T1, prompt)
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, prompt)) < 1e-3
 
 
 def test_sampling_test_rejects_a_replacement_drawn_from_p(small_vocab, chi2_pvalue, monkeypatch, accept_chain_replacing_from_p):
