@@ -322,7 +322,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--speculate-k", type=int, default=None)
-    p.add_argument("--lookup-slots", type=int, default=0, help="eagle2: tree nodes filled from the prompt lookup match")
+    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: tree nodes filled from the prompt lookup match (default: min(3, depth); 0: none)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",

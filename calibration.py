@@ -136,7 +136,7 @@ def main(argv=None) -> int:
         if not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
         gen, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk,
-                                        num_draft_tokens=a.num_draft_tokens)
+                                        num_draft_tokens=a.num_draft_tokens, lookup_slots=0)  # the chain has no draft confidence
         margs = gen.target.args
         from tqdm import tqdm
 

@@ -105,7 +105,7 @@ def prefill_rows(target: Transformer, tokens: Tensor, pad: Tensor, temperature: 
     cache_pos = slots[: tokens.shape[1]]
     mask = (slots >= pad[:, None, None]) & (slots <= cache_pos[:, None])
     mask = mask | (slots == cache_pos[:, None])  # pad slots see only themselves, so they stay finite
-    h = target.features(tokens, (cache_pos - pad[:, None]).clamp(min=0), cache_pos, mask)
+    h = target.hidden(tokens, (cache_pos - pad[:, None]).clamp(min=0), cache_pos, mask)[0]
     return draw_rows(target.output(h[:, -1]), temperature, top_p)
 
 
@@ -113,7 +113,7 @@ def decode_rows(target: Transformer, x: Tensor, slot: Tensor, pad: Tensor, tempe
     """x [B] the tokens entering cache slot `slot` [1]: every shape fixed by (B, cache length), no host sync."""
     slots = torch.arange(target.max_seq_length, device=x.device)
     mask = ((slots >= pad[:, None]) & (slots <= slot))[:, None, :]  # [B, 1, S]
-    h = target.features(x[:, None], (slot - pad)[:, None], slot, mask)
+    h = target.hidden(x[:, None], (slot - pad)[:, None], slot, mask)[0]
     return draw_rows(target.output(h[:, -1]), temperature, top_p)
 
 

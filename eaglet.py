@@ -1,9 +1,7 @@
-# The library entry point. load_generator() loads a target, its drafter and tokenizer and returns a ready
-# Generator; Generator.generate decodes one prompt, either a token per step (vanilla) or a speculative cycle per
-# step (speculate.py) until the answer is done. generate.py, bench.py and calibration.py all start here:
-#
-#   gen, tokenizer = load_generator(speculate="eagle2")
-#   text, result = gen.chat("What is the capital of France?")
+# The library entry point, where generate.py, bench.py and calibration.py all start: load_generator() returns a
+# ready Generator and the tokenizer, e.g. gen.chat("What is the capital of France?"). Generator.generate decodes
+# a prompt a token per step (vanilla) or a speculative cycle per step (speculate.py) until the answer is done.
+import functools
 import sys
 import time
 import types
@@ -25,24 +23,26 @@ from speculate import CHAINS, MODES, SpecState, TreeSpec, draft_context, lookup_
 from tokenizer import encode_prompt, load_tokenizer
 
 GREEDY = Sampling()
+# eagle2's default lookup slots: on MT-bench they lifted tau from 1.72 to 2.10 at a 2% dearer cycle (BENCHMARKS.md)
+LOOKUP_SLOTS = 3
 
 
-def log_stderr(message: str):
-    print(message, file=sys.stderr)
+log_stderr = functools.partial(print, file=sys.stderr)
 
 
 # ---------------------------------------------------------------- loading
 
 def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile: bool = False,
                    depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, draft_checkpoint=None,
-                   lookup_slots: int = 0, target: Optional[Transformer] = None, log=log_stderr) -> tuple:
+                   lookup_slots=None, target: Optional[Transformer] = None, log=log_stderr) -> tuple:
     """-> (Generator, tokenizer). Raises UsageError on bad input.
 
     checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
     (None: the shipped head of the default model); speculate: none | eagle2 | eagle | sps | lookup.
     device, dtype (str or torch.dtype): None picks CUDA if present and the dtype this device decodes fastest.
     depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
-    lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (none when the text has none);
+    lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (dead when the text has none; default
+    min(3, depth), 0 turns them off);
     speculate_k: the sps / lookup chain; draft_vocab: draft over the head's N most frequent tokens (0: all of the
     target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
     (bench.py runs every mode on one)."""
@@ -83,7 +83,7 @@ def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transfor
     return target
 
 
-def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, lookup_slots=0):
+def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, lookup_slots=None):
     if speculate not in MODES:
         raise UsageError(f"unknown --speculate mode {speculate!r}; choose from {', '.join(MODES)}")
     for flag, value in (("depth", depth), ("topk", topk), ("num-draft-tokens", num_draft_tokens), ("speculate-k", speculate_k)):
@@ -96,22 +96,20 @@ def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, specu
                          + (" (its chain length is --speculate-k)" if speculate in CHAINS else ""))
     if speculate not in CHAINS and speculate_k:
         raise UsageError(f"--speculate-k is the sps / lookup chain length, not {speculate}'s")
-    if lookup_slots and (speculate != "eagle2" or lookup_slots < 0):
+    if lookup_slots is not None and (speculate != "eagle2" or lookup_slots < 0):
         raise UsageError("--lookup-slots adds a non-negative number of nodes to the eagle2 tree")
 
 
 def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
-    if temperature < 0:
-        raise UsageError(f"--temperature must be >= 0, got {temperature}")
-    if not 0 < top_p <= 1:
-        raise UsageError(f"--top-p must be in (0, 1], got {top_p}")
-    if top_k < 0:
-        raise UsageError(f"--top-k must be >= 0, got {top_k}")
+    for bad, flag, want, value in ((temperature < 0, "temperature", ">= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
+                                   (top_k < 0, "top-k", ">= 0", top_k)):
+        if bad:
+            raise UsageError(f"--{flag} must be {want}, got {value}")
     return Sampling(temperature, top_k, top_p)
 
 
 def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
-              speculate_k=None, compile=False, log=log_stderr, lookup_slots=0) -> Optional[TreeSpec]:
+              speculate_k=None, compile=False, log=log_stderr, lookup_slots=None) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what is left open is sized for this device: sizing.measure_tree times the
     target and head once (compiled when the cycle will be) and caches the result."""
     if speculate == "none":
@@ -133,6 +131,7 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target) if compile else None)
         except ValueError as e:
             raise UsageError(str(e)) from None
+    lookup_slots = min(LOOKUP_SLOTS, depth) if lookup_slots is None else lookup_slots
     if lookup_slots > depth:
         raise UsageError(f"--lookup-slots {lookup_slots} exceeds the tree's depth {depth}")
     return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=lookup_slots)
@@ -244,8 +243,7 @@ class Generator:
         self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
         self.plain_cycle = lookup_step
         if compile:
-            cuda = self.device.type == "cuda"
-            mode = "reduce-overhead" if cuda else None  # reduce-overhead = CUDA graphs
+            mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, self.device, dynamic=True)
             self.decode_one = compiled(decode_one, self.device, mode=mode)
             if spec:
@@ -357,8 +355,7 @@ class Generator:
         result = self.generate(encode_prompt(self.tokenizer, args, messages, chat), max_new_tokens, sampling)
         return self.tokenizer.decode([t for t in result.token_ids if t not in args.stop_tokens]), result
 
-    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor, start: int = 0):
-        """The cycle's state after a prefill of prompt[start:] (feats: its rows)."""
+    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor, start: int = 0):  # after a prefill of prompt[start:]
         st, T = self.state, prompt.shape[1]
         st.L.fill_(T)
         st.root.copy_(root.view(1))

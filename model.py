@@ -267,10 +267,6 @@ class Transformer(nn.Module):
         h = self.norm(x)
         return h, (torch.cat([entering[i] for i in self.taps], dim=-1) if self.taps else h)
 
-    def features(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
-        """Post-norm hidden states (what the LM head reads and EAGLE-1/2 heads call features)."""
-        return self.hidden(idx, input_pos, cache_pos, mask)[0]
-
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor):
         """-> (logits, draft features); see hidden()."""
         h, feat = self.hidden(idx, input_pos, cache_pos, mask)

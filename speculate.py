@@ -74,7 +74,7 @@ class SpecState(nn.Module):
     pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real;
     a feature is what target() returns beside the logits (dim wide, or taps * dim for EAGLE-3 heads).
     prev: the token before root (sps: the draft model rereads it).
-    history (lookup): every committed token at [0, L], root included; reserve() sizes it with the caches."""
+    history (lookup, lookup slots): every committed token at [0, L], root included; reserve() sizes it."""
 
     def __init__(self, spec: TreeSpec, dim: int, device):
         super().__init__()

@@ -29,8 +29,13 @@ def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
     assert bench.main(argv) == 0
     report = json.loads(out.read_text())
     modes = report["modes"]
-    assert list(modes) == ["none", "eagle2", "eagle", "sps"]
+    assert list(modes) == ["none", "eagle2", "eagle", "sps", "none, no reuse"]
     assert all(m["turns"] == 6 for m in modes.values())  # 3 conversations x 2 turns
+    # --multi-turn reuses the conversation's caches: a second turn prefills far less than its prompt, which the
+    # no-reuse row prefills whole; fp32, so the answers are the same either way
+    reused, whole = modes["none"]["prefilled_tokens_per_turn"][1], modes["none, no reuse"]["prefilled_tokens_per_turn"][1]
+    assert whole == modes["none"]["prompt_tokens_per_turn"][1] and reused < whole / 2
+    assert modes["none, no reuse"]["greedy_agreement"]["identical_share"] == 1.0
     assert modes["none"]["speedup"] == 1.0
     # sps drafts with the target itself: every draft token is accepted at every depth
     assert modes["sps"]["accept_rate_per_depth"] == [1.0] * 3 and modes["sps"]["mean_accept_len"] > 3

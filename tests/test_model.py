@@ -10,7 +10,7 @@ def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
     idx = torch.randint(0, 64, (1, 9), generator=torch.Generator().manual_seed(0))
     pos = torch.arange(9)
     logits, h = model(idx, pos, pos, causal_mask(pos, 32))
-    assert model.taps == () and torch.equal(h, model.features(idx, pos, pos, causal_mask(pos, 32)))
+    assert model.taps == () and torch.equal(h, model.hidden(idx, pos, pos, causal_mask(pos, 32))[0])
 
     model.taps = eagle3_taps(6)
     assert model.taps == (2, 3, 3)
