@@ -306,7 +306,7 @@ class Generator:
         start = self.reusable(prompt) if reuse and not fresh else 0
         self.target.kv_stream = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
         x = torch.tensor([prompt], device=self.device)
-        h, feats = self.prefill(self.target, x[:, start:], torch.tensor(start, device=self.device))
+        h, feats = self.prefill(self.target, torch.tensor([prompt[start:]], device=self.device), torch.tensor(start, device=self.device))
         root = sampling.draw(self.target.output(h[-1]))
         sync()
         prefill_seconds = time.perf_counter() - t0

@@ -82,7 +82,7 @@ def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
         twin = (parents == cur) & (tokens == chain[i]) & live & (node[: n + i] != 0)
         exists = twin.any()
         tokens, parents = torch.cat([tokens, chain[i].view(1)]), torch.cat([parents, cur.view(1)])
-        live = torch.cat([live, (found & ~exists & live[cur]).view(1)])
+        live = torch.cat([live, found.view(1) & ~exists.view(1) & live.index_select(0, cur.view(1))])  # a tensor index: no sync
         cur = torch.where(exists, twin.int().argmax(), n + i)
     return tokens, parents, live
 

@@ -21,7 +21,7 @@ from speculate import TreeSpec
 
 REPO = Path(__file__).resolve().parents[1]
 DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
-SPECS = [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8),
+SPECS = [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3),
          TreeSpec.static(),
          TreeSpec.chain("sps", 3), TreeSpec.chain("lookup", 4)]
 
@@ -32,7 +32,7 @@ def prompts(lengths):
 
 
 @pytest.mark.parametrize("device", DEVICES)
-@pytest.mark.parametrize("spec", SPECS, ids=["none", "eagle2", "eagle", "sps", "lookup"])
+@pytest.mark.parametrize("spec", SPECS, ids=["none", "eagle2-lookup-slots", "eagle", "sps", "lookup"])
 def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, random_head, single_thread, device, spec):
     args = tiny_args()
     target = random_model(args, seed=0).to(device)
@@ -53,6 +53,11 @@ def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, ran
     with torch._dynamo.config.patch(error_on_recompile=True):
         for prompt in rest:
             assert compiled.generate(prompt, 24, Sampling()).token_ids == eager.generate(prompt, 24, Sampling()).token_ids
+        # A chat's next turn: the compiled steps prefill from the reused prefix on, with nothing recompiled.
+        turn = rest[-1] + compiled.generate(rest[-1], 24, Sampling()).token_ids + prompts([5])[0]
+        reused = compiled.generate(turn, 24, Sampling(), reuse=True)
+        assert reused.prefilled < len(turn) // 2 or (spec and spec.mode == "sps")  # a draft LLM always prefills afresh
+        assert reused.token_ids == eager.generate(turn, 24, Sampling()).token_ids
 
 
 def test_many_tree_shapes_in_one_process_each_get_their_own_compile_cache(tiny_args, random_model, random_head, single_thread, monkeypatch):
