@@ -13,6 +13,7 @@
 #              || head), at positions whose target argmax is in the draft vocabulary (as the official code: there
 #              greedy drafting cannot be right, and the renormalised rest would teach the head the target's runners-up).
 import argparse
+import copy
 import math
 import os
 import sys
@@ -170,18 +171,31 @@ def cache_keep(records: list, idx: list, lm_full: Tensor, in_draft: Tensor):
         r["keep"] = in_draft[target_argmax(r["hidden"][1:].to(lm_full.dtype), lm_full)]
 
 
-def unrolled_steps(head: Eagle3Head, embed: Tensor, tokens: Tensor, fused: Tensor, steps: int):
-    """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), fused [B, T, *]."""
+def fused_scale(data: list, rows: int = 65536) -> Tensor:
+    """1 / the rms of each fused input dimension, over the first rows of the data. The target's residual stream has
+    a few massive dimensions (SmolLM2: rms 130 at the middle and upper taps, single dimensions near 600 on average,
+    against 3.6 at layer 2): fc fed as they come sees inputs 100x apart while Adam steps every weight alike, and the
+    head learns slowly. Training reads fused * scale; the saved fc has the scale folded in, so the head's format
+    and its inference are the official ones."""
+    sample = torch.cat([r["fused"][:rows].float() for r in data[: max(1, rows // 64)]])[:rows]
+    return sample.pow(2).mean(0).sqrt().clamp(min=1e-3).reciprocal()
+
+
+def unrolled_steps(head: Eagle3Head, embed: Tensor, tokens: Tensor, fused: Tensor, steps: int, scale=None):
+    """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), fused [B, T, *];
+    scale: fused_scale's, or None."""
     B, T = fused.shape[:2]
     slot = torch.arange(T, device=tokens.device)
-    h, attention = head.fc(fused.to(embed.dtype)), UnrolledAttention(head.layers[0].attention)
+    fused = fused.to(embed.dtype) if scale is None else fused.to(embed.dtype) * scale.to(embed.dtype)
+    h, attention = head.fc(fused), UnrolledAttention(head.layers[0].attention)
     for i in range(steps):
         emb = F.embedding(tokens[:, 1 + i:1 + i + T], embed)
         h = head.layers[0](emb, h, rope_at(head.rope, slot + i, B), None, None, attention=attention)
         yield h
 
 
-def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, lm_full: Tensor, in_draft: Tensor):
+def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, lm_full: Tensor, in_draft: Tensor,
+             fc_scale=None):
     """EAGLE-3's training-time test over cfg.ttt_steps unrolled steps (see the top of the file). lm_head: the
     target's rows for the draft vocabulary; lm_full: all its rows; in_draft: bool [V], the draft vocabulary.
     -> (loss, stats: step 0's CE and per-step top-1 agreement on counted positions; tokens counted at step 0)."""
@@ -194,7 +208,7 @@ def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     with torch.no_grad():  # the target's distribution restricted to the draft vocabulary, renormalised, at every
         target_all = torch.softmax((after @ lm_head.T).float(), -1)  # position once: step i reads it shifted by i
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
-    for i, h in enumerate(unrolled_steps(head, embed, tokens, fused[:, :T], steps)):
+    for i, h in enumerate(unrolled_steps(head, embed, tokens, fused[:, :T], steps, fc_scale)):
         counted = (slot + 1 + i >= prompt_lens[:, None]) & (slot + 1 + i < lengths[:, None])
         with torch.no_grad():
             target_probs = target_all[:, i:i + T][counted]
@@ -218,10 +232,15 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * min((step + 1) / warm, (total - step) / max(1, total - warm))
 
 
-def save_state(out: Path, head: EagleHead, opt, step: int):
-    save_head(head, out / "head")
+def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
+    """The head as it serves (fc_scale folded into fc) in out/head, and the training state to resume from."""
+    served = head
+    if fc_scale is not None:
+        served = copy.deepcopy(head)
+        served.fc.weight.data.mul_(fc_scale.to(served.fc.weight.dtype)[None])
+    save_head(served, out / "head")
     tmp = out / "train_state.pt.tmp"
-    torch.save({"step": step, "head": head.state_dict(), "optimizer": opt.state_dict()}, tmp)
+    torch.save({"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "fc_scale": fc_scale}, tmp)
     os.replace(tmp, out / "train_state.pt")  # a crash mid-write keeps the previous state
 
 
@@ -231,6 +250,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     head = new_head(target, max(len(d["tokens"]) for d in data) + cfg.ttt_steps, draft_vocab, cfg.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     step, state_path = 0, cfg.out / "train_state.pt"
+    state = {}
     if cfg.resume:
         if not state_path.exists():
             raise UsageError(f"--resume: no {state_path}")
@@ -245,6 +265,11 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
             head.load_state_dict({k: v for k, v in weights.items() if k != "draft_vocab" and k in own and v.shape == own[k].shape}, strict=False)
         if (cfg.out / "train_log.jsonl").exists():
             (cfg.out / "train_log.jsonl").unlink()
+    fc_scale = state.get("fc_scale") if cfg.resume else None
+    if cfg.arch == "eagle3" and fc_scale is None:
+        fc_scale = fused_scale(data).to(target.tok_embeddings.weight.device)
+        if cfg.init:  # the saved fc has a scale folded in; training multiplies the input by this one
+            head.fc.weight.data.div_(fc_scale[None])
     embed = target.tok_embeddings.weight.detach().float()
     lm_full = lm_head = target.output.weight.detach().float()
     if len(head.draft_vocab):
@@ -268,7 +293,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
             if cfg.arch == "eagle3":
                 cache_keep(data, idx, lm_full, in_draft)
             batch = make_batch(data, idx)
-            loss, stats, n = loss_fn(head, embed, lm_head, batch, cfg, lm_full=lm_full, in_draft=in_draft)
+            loss, stats, n = loss_fn(head, embed, lm_head, batch, cfg, lm_full=lm_full, in_draft=in_draft, fc_scale=fc_scale)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(head.parameters(), cfg.clip)
@@ -282,9 +307,9 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         bar.update(1)
         bar.set_postfix(loss=f"{ema['loss']:.3f}", acc=f"{ema['acc']:.3f}", epoch=epoch)
         if step % cfg.save_every == 0:
-            save_state(cfg.out, head, opt, step)
+            save_state(cfg.out, head, opt, step, fc_scale)
     bar.close()
-    save_state(cfg.out, head, opt, step)
+    save_state(cfg.out, head, opt, step, fc_scale)
     seconds = time.perf_counter() - t0
     if seen_tokens:
         print(f"train: {seen_tokens} answer tokens in {seconds:.1f} s, {seen_tokens / seconds:.1f} tokens/s; step {step}/{total}", file=sys.stderr)

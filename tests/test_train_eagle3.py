@@ -142,3 +142,20 @@ def test_cli_trains_a_lossless_eagle3_head(trained_eagle3):
 def test_bf16_autocast_follows_the_cpu():
     flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
     assert dtypes.native_bf16(torch.device("cpu")) == (" avx512_bf16" in flags or " amx_tile" in flags)
+
+
+def test_the_served_head_folds_the_input_scale_into_fc(tiny_args, random_model, random_eagle3_head, tmp_path):
+    # Training reads fused * scale (the target's massive residual dimensions made comparable); the head written for
+    # serving must compute the same fc output from the raw fused states, in the official format.
+    args = tiny_args(n_layer=6)
+    head = random_eagle3_head(args, seed=0)
+    g = torch.Generator().manual_seed(1)
+    fused = torch.randn(2, 5, 3 * args.dim, generator=g) * torch.logspace(0, 3, 3 * args.dim)  # dims 1 to 1000 apart
+    scale = train_draft.fused_scale([{"fused": f} for f in fused])
+    assert torch.allclose((fused * scale).pow(2).mean((0, 1)), torch.ones(3 * args.dim), rtol=1e-4)
+    opt = torch.optim.AdamW(head.parameters())
+    train_draft.save_state(tmp_path, head, opt, 0, scale)
+    served = load_head(tmp_path / "head", args)
+    assert torch.allclose(served.fc(fused), head.fc(fused * scale), rtol=1e-4, atol=1e-3)
+    state = torch.load(tmp_path / "train_state.pt", weights_only=True)
+    assert torch.equal(state["fc_scale"], scale) and torch.equal(state["head"]["fc.weight"], head.fc.weight)
