@@ -23,8 +23,7 @@ from speculate import CHAINS, MODES, SpecState, TreeSpec, draft_context, lookup_
 from tokenizer import encode_prompt, load_tokenizer
 
 GREEDY = Sampling()
-# eagle2's default lookup slots: on MT-bench they lifted tau from 1.72 to 2.10 at a 2% dearer cycle (BENCHMARKS.md)
-LOOKUP_SLOTS = 3
+LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
 
 
 log_stderr = functools.partial(print, file=sys.stderr)
@@ -230,6 +229,7 @@ class Generator:
                  draft_model: Optional[Transformer] = None, compile: bool = False, tokenizer=None):
         self.target, self.spec, self.head, self.draft_model = target, spec, head, draft_model
         self.tokenizer = tokenizer  # for chat(); load_generator sets it
+        self.kv_key = object()  # marks the target's caches as this Generator's (a copied target's never match)
         self.device = target.tok_embeddings.weight.device
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
@@ -273,7 +273,7 @@ class Generator:
         """How many leading prompt tokens the caches already hold from this Generator's last answer (a chat's
         earlier turns): the target's KV up to the last token it read, and for a head its draft context pairs."""
         owner, stream = getattr(self.target, "kv_stream", (None, []))
-        if owner is not self or self.draft_model is not None:  # another Generator used the target since; sps: no reuse
+        if owner is not self.kv_key or self.draft_model is not None:  # another Generator used the target since; sps: no reuse
             return 0
         common = next((i for i, (a, b) in enumerate(zip(prompt, stream)) if a != b), min(len(prompt), len(stream)))
         start = min(common, len(stream) - 1, len(prompt) - 1)  # the KV holds every token but the last one generated
@@ -344,7 +344,7 @@ class Generator:
             if on_tokens:
                 on_tokens(new)
         sync()
-        self.target.kv_stream = (self, prompt + out)
+        self.target.kv_stream = (self.kv_key, prompt + out)
         return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
 
     def chat(self, messages, max_new_tokens: int = 200, sampling: Sampling = GREEDY, chat: bool = True) -> tuple:
