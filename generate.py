@@ -42,6 +42,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
+def streamer(tokenizer, stop_tokens, show: bool = True) -> tuple:
+    """-> (on_tokens for Generator.generate, printing the text as it is committed when show; the answer's ids so far)."""
+    decoder, ids = StreamDecoder(tokenizer), []
+
+    def on_tokens(new):
+        ids.extend(t for t in new if t not in stop_tokens)
+        if show:
+            print(decoder.push(ids), end="", flush=True)
+
+    return on_tokens, ids
+
+
 def status_line(result, spec) -> str:
     m = result.metrics(spec)
     parts = [f"{m['new_tokens']} tokens", f"{m['tokens_per_s']} tok/s"] + ([f"tau {m['mean_accept_len']}"] if "mean_accept_len" in m else [])
@@ -74,13 +86,7 @@ def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
             print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {a.max_new_tokens} would exceed the context of "
                   f"{margs.block_size}: /reset to start over", file=sys.stderr)
             continue
-        decoder, ids = StreamDecoder(tokenizer), []
-
-        def stream(new):
-            ids.extend(t for t in new if t not in margs.stop_tokens)
-            if not a.json:
-                print(decoder.push(ids), end="", flush=True)
-
+        stream, ids = streamer(tokenizer, margs.stop_tokens, show=not a.json)
         try:
             result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream, reuse=True)
             status = status_line(result, gen.spec)
@@ -111,14 +117,7 @@ def main(argv=None) -> int:
                 raise UsageError("--interactive runs in one process, not under torchrun")
             return chat(gen, tokenizer, a, sampling, chat_template)
         prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": a.prompt}], chat_template)
-        stream = None
-        if not a.json and not quiet:
-            decoder, ids = StreamDecoder(tokenizer), []
-
-            def stream(new):
-                ids.extend(t for t in new if t not in margs.stop_tokens)
-                print(decoder.push(ids), end="", flush=True)
-
+        stream, _ = streamer(tokenizer, margs.stop_tokens, show=not a.json and not quiet)
         result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream)
     except UsageError as e:
         if not quiet:
