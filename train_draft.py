@@ -194,17 +194,16 @@ def unrolled_steps(head: Eagle3Head, embed: Tensor, tokens: Tensor, fused: Tenso
         yield h
 
 
-def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, lm_full: Tensor, in_draft: Tensor,
-             fc_scale=None):
+def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, fc_scale=None):
     """EAGLE-3's training-time test over cfg.ttt_steps unrolled steps (see the top of the file). lm_head: the
-    target's rows for the draft vocabulary; lm_full: all its rows; in_draft: bool [V], the draft vocabulary.
+    target's rows for the draft vocabulary; batch[-1]: cache_keep's masks; fc_scale: fused_scale's.
     -> (loss, stats: step 0's CE and per-step top-1 agreement on counted positions; tokens counted at step 0)."""
     tokens, hidden, fused, lengths, prompt_lens, keep = batch
     steps, T = cfg.ttt_steps, tokens.shape[1] - 1
     slot = torch.arange(T, device=tokens.device)
     tokens = F.pad(tokens, (0, steps))  # step i reads x_{j+1+i}; slots past a row's end are never counted
     after = F.pad(hidden[:, 1:].float(), (0, 0, 0, steps))  # the target state that step i at slot j predicts: after[:, j+i]
-    keep_all = F.pad(keep, (0, steps)) if keep is not None else in_draft[target_argmax(after, lm_full)]
+    keep_all = F.pad(keep, (0, steps))  # cache_keep's mask: the target's argmax lies in the draft vocabulary
     with torch.no_grad():  # the target's distribution restricted to the draft vocabulary, renormalised, at every
         target_all = torch.softmax((after @ lm_head.T).float(), -1)  # position once: step i reads it shifted by i
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
@@ -293,7 +292,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
             if cfg.arch == "eagle3":
                 cache_keep(data, idx, lm_full, in_draft)
             batch = make_batch(data, idx)
-            loss, stats, n = loss_fn(head, embed, lm_head, batch, cfg, lm_full=lm_full, in_draft=in_draft, fc_scale=fc_scale)
+            loss, stats, n = loss_fn(head, embed, lm_head, batch, cfg, fc_scale=fc_scale)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_value_(head.parameters(), cfg.clip)
