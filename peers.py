@@ -97,9 +97,9 @@ GGUF_NAMES = {"attention_norm": "attn_norm", "ffn_norm": "ffn_norm", "attention.
 
 def gguf_source(checkpoint: Path) -> Path:
     """The GGUF whose metadata (tokenizer, hyperparameters) a written GGUF copies: the shipped one of the default model."""
-    from convert_hf_checkpoint import DEFAULT_CHECKPOINT_NAME, smollm2_gguf
+    from checkpoint import DEFAULT_NAME, smollm2_gguf
 
-    if checkpoint.name != DEFAULT_CHECKPOINT_NAME:
+    if checkpoint.name != DEFAULT_NAME:
         raise PeerUnavailable(f"llama.cpp needs GGUF tokenizer metadata; only the default model's is at hand ({checkpoint.name})")
     try:
         return smollm2_gguf()

@@ -4,6 +4,7 @@ import json
 import pytest
 
 import bench
+import peers
 from convert_hf_checkpoint import convert_hf
 from draft import EagleHead, save_head
 from hf_fixtures import write_hf_llama
@@ -102,3 +103,10 @@ def test_unknown_peer_or_quantization_is_one_line_error(capsys):
     for argv in (["--peers", "vllm"], ["--quantize", "int3"]):
         assert bench.main(argv) == 2
         assert capsys.readouterr().err.strip().startswith("error: unknown --")
+
+
+def test_llama_cpp_needs_the_default_models_gguf_metadata(tmp_path):
+    """A checkpoint other than the default model has no GGUF tokenizer metadata to copy: the peer is skipped with
+    a reason, whether or not llama-cpp-python is installed (this path runs before llama_cpp is imported)."""
+    with pytest.raises(peers.PeerUnavailable, match="GGUF tokenizer metadata"):
+        peers.gguf_source(tmp_path / "other-model")
