@@ -15,7 +15,7 @@ from tqdm import tqdm
 
 import tokenizer as tok
 from draft import Eagle3Head, EagleHead, check_head_fits, save_head
-from model import ModelArgs, Transformer, eagle3_taps, load_state, rope_frequencies
+from model import ModelArgs, Transformer, eagle3_taps, fuse_rows, load_state, rope_frequencies
 
 HF_TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
@@ -78,9 +78,11 @@ def interleave_rotary(w: torch.Tensor, n_heads: int) -> torch.Tensor:
     return w.view(n_heads, 2, head_dim // 2, -1).transpose(1, 2).reshape(w.shape)
 
 
-def fuse_qkv(state: dict, args: ModelArgs, n_layer: int, interleave: bool):
-    """wq / wk / wv -> one wqkv per layer; HF q/k rows are put in the interleaved RoPE layout first."""
+def fuse_layers(state: dict, args: ModelArgs, n_layer: int, interleave: bool):
+    """wq / wk / wv -> one wqkv and w1 / w3 -> one w13 per layer, as the modules keep them; HF q/k rows are put in
+    the interleaved RoPE layout first."""
     for i in range(n_layer):
+        fuse_rows(state, f"layers.{i}.feed_forward.", parts=("w1", "w3"), fused="w13")
         prefix = f"layers.{i}.attention."
         try:
             q, k, v = (state.pop(prefix + f"w{c}.weight") for c in "qkv")
@@ -112,9 +114,33 @@ def read_json(path: Path, default: Optional[dict] = None) -> dict:
     return default
 
 
+def args_from_hf_config(cfg: dict) -> ModelArgs:
+    """ModelArgs from an HF config.json (transformers 4 and 5 layouts)."""
+    scaling = cfg.get("rope_scaling") or None
+    if scaling is None and isinstance(cfg.get("rope_parameters"), dict):  # transformers >= 5 layout
+        rp = cfg["rope_parameters"]
+        if rp.get("rope_type", "default") != "default":
+            scaling = rp
+    theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
+    return ModelArgs(
+        dim=cfg["hidden_size"],
+        n_layer=cfg["num_hidden_layers"],
+        n_head=cfg["num_attention_heads"],
+        n_local_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or 0,
+        intermediate_size=cfg["intermediate_size"],
+        vocab_size=cfg["vocab_size"],
+        norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        rope_base=float(theta),
+        rope_scaling=scaling,
+        block_size=cfg.get("max_position_embeddings", 4096),
+        tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+    )
+
+
 def args_from_hf(config: dict, path: Path) -> ModelArgs:
     try:
-        args = ModelArgs.from_hf_config(config)
+        args = args_from_hf_config(config)
     except KeyError as e:
         raise ValueError(f"{path} lacks {e.args[0]}") from None
     rope_frequencies(args)  # raises now on a rope_scaling type we cannot run, not at generation time
@@ -216,7 +242,7 @@ def convert_hf(hf_dir, out_dir, name: Optional[str] = None) -> ModelArgs:
     state = {rename(k, HF_TOP_NAMES, layer_pattern, HF_LAYER_NAMES): w for k, w in weights.items()}
     if args.tie_embeddings:
         state.pop("output.weight", None)  # some tied checkpoints store the copy anyway
-    fuse_qkv(state, args, args.n_layer, interleave=True)
+    fuse_layers(state, args, args.n_layer, interleave=True)
     with torch.device("meta"):
         check_fits(state, Transformer(args), skip={"output.weight"} if args.tie_embeddings else ())
     save_weights(state, out_dir)
@@ -287,7 +313,7 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
     )
     if meta("llama.rope.dimension_count", args.head_dim) != args.head_dim:
         raise ValueError(f"{gguf_path}: RoPE over part of each head is not supported")
-    fuse_qkv(state, args, args.n_layer, interleave=False)  # llama.cpp stores q/k rows interleaved already
+    fuse_layers(state, args, args.n_layer, interleave=False)  # llama.cpp stores q/k rows interleaved already
     with torch.device("meta"):
         check_fits(state, Transformer(args), skip={"output.weight"} if args.tie_embeddings else ())
     save_weights(state, out_dir)
@@ -318,7 +344,7 @@ def convert_eagle(head_dir, out_dir, target_dir=None) -> ModelArgs:
         return convert_eagle3(config, raw, out_dir, args, target)
 
     state = {rename(k, EAGLE_TOP_NAMES, r"layers\.(\d+)\.(.+)", EAGLE_LAYER_NAMES): w for k, w in raw.items()}
-    fuse_qkv(state, args, 1, interleave=True)
+    fuse_layers(state, args, 1, interleave=True)
     with torch.device("meta"):
         head = EagleHead(args, fc_bias="fc.bias" in state)  # the key decides: configs often omit "bias"
     check_fits(state, head)
@@ -358,7 +384,7 @@ def convert_eagle3(config: dict, raw: dict, out_dir: Path, args: ModelArgs, targ
         raise ValueError(f"unexpected tensor {unknown[0]!r}: not an EAGLE-3 head")
     draft_vocab = eagle3_draft_vocab(raw, draft_size, args.vocab_size)
     state = {EAGLE3_NAMES[k]: w for k, w in raw.items()}
-    fuse_qkv(state, args, 1, interleave=True)
+    fuse_layers(state, args, 1, interleave=True)
     state["draft_vocab"] = draft_vocab
     with torch.device("meta"):
         head = Eagle3Head(args, draft_size, eagle3_taps(target.n_layer) if target else ())

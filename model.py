@@ -5,6 +5,7 @@ import json
 import math
 import pickle
 from dataclasses import asdict, dataclass, field, fields
+from functools import partial
 from pathlib import Path
 from typing import Optional
 
@@ -37,29 +38,6 @@ class ModelArgs:
             self.n_local_heads = self.n_head
         if not self.head_dim:
             self.head_dim = self.dim // self.n_head
-
-    @classmethod
-    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        scaling = cfg.get("rope_scaling") or None
-        if scaling is None and isinstance(cfg.get("rope_parameters"), dict):  # transformers >= 5 layout
-            rp = cfg["rope_parameters"]
-            if rp.get("rope_type", "default") != "default":
-                scaling = rp
-        theta = cfg.get("rope_theta") or (cfg.get("rope_parameters") or {}).get("rope_theta") or 10000.0
-        return cls(
-            dim=cfg["hidden_size"],
-            n_layer=cfg["num_hidden_layers"],
-            n_head=cfg["num_attention_heads"],
-            n_local_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or 0,
-            intermediate_size=cfg["intermediate_size"],
-            vocab_size=cfg["vocab_size"],
-            norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_base=float(theta),
-            rope_scaling=scaling,
-            block_size=cfg.get("max_position_embeddings", 4096),
-            tie_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-        )
 
     @classmethod
     def load(cls, path) -> "ModelArgs":
@@ -159,13 +137,7 @@ class Attention(nn.Module):
         self.wqkv = nn.Linear(in_dim or args.dim, (args.n_head + 2 * args.n_local_heads) * args.head_dim, bias=False)
         self.wo = nn.Linear(args.n_head * args.head_dim, args.dim, bias=False)
         self.kv_cache: Optional[KVCache] = None
-        self._register_load_state_dict_pre_hook(self._fuse_qkv)
-
-    @staticmethod
-    def _fuse_qkv(state_dict, prefix, *args):
-        # Checkpoints may store wq / wk / wv apart; the module keeps one fused matrix (one GEMM).
-        if prefix + "wq.weight" in state_dict:
-            state_dict[prefix + "wqkv.weight"] = torch.cat([state_dict.pop(prefix + f"w{c}.weight") for c in "qkv"])
+        self._register_load_state_dict_pre_hook(partial(fuse_rows, parts=("wq", "wk", "wv"), fused="wqkv"))
 
     def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
         B, T, _ = x.shape
@@ -190,20 +162,26 @@ def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     n_kv = k.shape[1]
     if mask.dim() == 4 and mask.shape[1] != 1:
         mask = mask.reshape(B, n_kv, H // n_kv, -1)  # [B, H, 1, S] as [B, Hkv, G, S]; else it broadcasts as it is
-    scores = torch.matmul(q.view(B, n_kv, H // n_kv, D), k.transpose(-1, -2)).float() * D**-0.5  # [B, Hkv, G, S]
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")), dim=-1).to(v.dtype)
-    return torch.matmul(probs, v).view(B, H, 1, D)
+    q = q.view(B, n_kv, H // n_kv, D)
+    # Compiled, the products and sums fuse into one loop over the cache; as matmuls they were an extern bmm
+    # call each, 20 us per layer on a CPU (issue 14). Eagerly the matmuls win: nothing is materialised.
+    fused = torch.compiler.is_compiling()
+    scores = (q.unsqueeze(-2).float() * k.unsqueeze(2).float()).sum(-1) if fused else (q @ k.transpose(-1, -2)).float()
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)  # [B, Hkv, G, S]
+    y = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2) if fused else probs.to(v.dtype) @ v
+    return y.to(v.dtype).view(B, H, 1, D)
 
 
 class FeedForward(nn.Module):
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.w1 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # gate
-        self.w3 = nn.Linear(args.dim, args.intermediate_size, bias=False)  # up
+        self.w13 = nn.Linear(args.dim, 2 * args.intermediate_size, bias=False)  # gate (w1) and up (w3), one GEMM
         self.w2 = nn.Linear(args.intermediate_size, args.dim, bias=False)  # down
+        self._register_load_state_dict_pre_hook(partial(fuse_rows, parts=("w1", "w3"), fused="w13"))
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))
+        gate, up = self.w13(x).chunk(2, dim=-1)
+        return self.w2(F.silu(gate) * up)
 
 
 class TransformerBlock(nn.Module):
@@ -277,6 +255,14 @@ def eagle3_taps(n_layer: int) -> tuple:
     """The three layers whose inputs an EAGLE-3 head reads, low, middle and high: the official choice
     (2, L//2, L-3), clamped for tiny test models (where a layer may then appear twice)."""
     return (min(2, n_layer - 1), n_layer // 2, max(n_layer - 3, 0))
+
+
+def fuse_rows(state_dict: dict, prefix: str, *hook_args, parts: tuple, fused: str):
+    """Matrices a module keeps fused (one GEMM: wqkv, w13) may come apart in a checkpoint: stacks their rows, with
+    whatever per-row tensors they carry (quantisation scales and zeros)."""
+    for suffix in ("weight", "scales", "zeros"):
+        if f"{prefix}{parts[0]}.{suffix}" in state_dict:
+            state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(f"{prefix}{p}.{suffix}") for p in parts])
 
 
 def find_multiple(n: int, k: int) -> int:

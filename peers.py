@@ -44,6 +44,9 @@ def float_state(checkpoint: Path) -> tuple:
     for i in range(args.n_layer):
         wq, wk, wv = state.pop(f"layers.{i}.attention.wqkv.weight").split([q_size, kv_size, kv_size])
         state |= {f"layers.{i}.attention.w{c}.weight": w for c, w in zip("qkv", (wq, wk, wv))}
+        if f"layers.{i}.feed_forward.w13.weight" in state:  # checkpoints converted before w13 keep w1 / w3 apart
+            w1, w3 = state.pop(f"layers.{i}.feed_forward.w13.weight").chunk(2)
+            state |= {f"layers.{i}.feed_forward.w1.weight": w1, f"layers.{i}.feed_forward.w3.weight": w3}
     state.setdefault("output.weight", state["tok_embeddings.weight"])
     return args, state
 

@@ -121,7 +121,7 @@ def device_name(device) -> str:
 def cache_key(target, head, compiled: bool = False) -> str:
     name = device_name(target.tok_embeddings.weight.device)
     a = target.args
-    quant = getattr(target.layers[0].feed_forward.w1, "mode", "float")
+    quant = getattr(target.layers[0].feed_forward.w13, "mode", "float")
     return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
             f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
             + ("|compiled" if compiled else ""))

@@ -90,7 +90,7 @@ def check_shardable(model: nn.Module, world: int):
             raise ValueError(f"tensor parallelism over {world} ranks needs {name} divisible by {world}, got {size}")
     for layer in model.layers:
         a, f = layer.attention, layer.feed_forward
-        for linear in (a.wqkv, a.wo, f.w1, f.w2, f.w3):
+        for linear in (a.wqkv, a.wo, f.w13, f.w2):
             check_linear(linear)
 
 
@@ -145,8 +145,7 @@ def shard_model(model: nn.Module, rank: int, world: int) -> nn.Module:
         a, f = layer.attention, layer.feed_forward
         shard_linear(a.wqkv, 0, rank, world, [a.n_head * a.head_dim, a.n_kv * a.head_dim, a.n_kv * a.head_dim])
         shard_linear(a.wo, 1, rank, world)
-        shard_linear(f.w1, 0, rank, world)
-        shard_linear(f.w3, 0, rank, world)
+        shard_linear(f.w13, 0, rank, world, [f.w13.weight.shape[0] // 2] * 2)
         shard_linear(f.w2, 1, rank, world)
         a.n_head, a.n_kv = a.n_head // world, a.n_kv // world
     return model

@@ -127,7 +127,7 @@ class Int8Linear(torch.nn.Module):
 
 def quantize_layers(model: Transformer, linear_type):
     for layer in model.layers:
-        for module, names in ((layer.attention, ["wqkv", "wo"]), (layer.feed_forward, ["w1", "w2", "w3"])):
+        for module, names in ((layer.attention, ["wqkv", "wo"]), (layer.feed_forward, ["w13", "w2"])):
             for name in names:
                 setattr(module, name, linear_type(getattr(module, name)))
 
