@@ -19,8 +19,8 @@ import sizing
 import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint
 from draft import EagleHead
-from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, sizing_compile
-from model import SHAPES, Transformer
+from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill, sizing_compile
+from model import SHAPES, Transformer, find_multiple
 from prompts import MT_BENCH, load_conversations
 from speculate import CHAINS, TreeSpec
 from tokenizer import encode_prompt
@@ -130,6 +130,7 @@ def bench(a) -> dict:
         name = f"none {q}"
         results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=a.compile), tokenizer, margs, conversations, a, sampling)
         results[name]["mode"] = name
+        results[name]["logit_error"] = logit_error(target, qtarget, tokenizer, margs, conversations)
         _partial(a, base, conversations, results)
         del qtarget
     runners = peers.peer_runners(a.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
@@ -149,6 +150,26 @@ def _partial(a, gen, conversations, results):
     """Rows so far, to --json-out with "partial": a long run that is stopped keeps what it measured."""
     if a.json_out:
         a.json_out.write_text(json.dumps(report(a, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
+
+
+@torch.inference_mode()
+def logit_error(target, qtarget, tokenizer, margs, conversations) -> dict:
+    """How far a quantised copy's next-token logits stray from the float target's, over every first-turn prompt
+    token (an eager prefill of each): the largest absolute difference, and the RMS difference relative to the
+    float logits' RMS."""
+    worst, err, ref = 0.0, 0.0, 0.0
+    for turns in conversations:
+        ids = encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True)
+        device = target.tok_embeddings.weight.device
+        x, start = torch.tensor([ids], device=device), torch.tensor(0, device=device)
+        logits = []
+        for model in (target, qtarget):
+            if model.max_seq_length < len(ids):
+                model.setup_caches(find_multiple(len(ids), 256))
+            logits.append(model.output(prefill(model, x, start)[0]).float())
+        diff = logits[1] - logits[0]
+        worst, err, ref = max(worst, diff.abs().max().item()), err + diff.pow(2).sum().item(), ref + logits[0].pow(2).sum().item()
+    return {"max_abs": round(worst, 4), "relative_rms": round((err / max(ref, 1e-30)) ** 0.5, 5)}
 
 
 def greedy_agreement(reference: list, outputs: list) -> dict:

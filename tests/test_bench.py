@@ -96,6 +96,8 @@ def test_quantized_rows_peers_and_greedy_agreement(setup_dirs, tmp_path, capsys)
     assert modes["hf float32"]["greedy_agreement"] == {"identical_share": 1.0, "first_divergence": [None] * 3}
     assert modes["hf float32 lookup10"]["greedy_agreement"]["identical_share"] == 1.0
     assert len(modes["none int4"]["greedy_agreement"]["first_divergence"]) == 3
+    int8, int4 = modes["none int8"]["logit_error"], modes["none int4"]["logit_error"]
+    assert 0 < int8["relative_rms"] < int4["relative_rms"] < 0.5 and int8["max_abs"] > 0  # int4 strays further than int8
     assert "note: skipping llama.cpp" in capsys.readouterr().err  # a test checkpoint has no GGUF tokenizer metadata
 
 
