@@ -158,9 +158,9 @@ def logit_error(target, qtarget, tokenizer, margs, conversations) -> dict:
     token (an eager prefill of each): the largest absolute difference, and the RMS difference relative to the
     float logits' RMS."""
     worst, err, ref = 0.0, 0.0, 0.0
+    device = target.tok_embeddings.weight.device
     for turns in conversations:
         ids = encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True)
-        device = target.tok_embeddings.weight.device
         x, start = torch.tensor([ids], device=device), torch.tensor(0, device=device)
         logits = []
         for model in (target, qtarget):
