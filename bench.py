@@ -46,11 +46,31 @@ class Lap:
         self.t = now
 
 
-def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None, reuse=False) -> dict:
+def add_result(totals: dict, r: Result):
+    totals["outputs"].append(r.token_ids)
+    totals["new_tokens"] += len(r.token_ids)
+    totals["turns"] += 1
+    if r.accept_hist:
+        totals["cycles"] += r.cycles
+        totals["cycle_tokens"] += len(r.token_ids) - 1
+        totals["hist"] = [x + y for x, y in zip(totals["hist"] or [0] * len(r.accept_hist), r.accept_hist)]
+
+
+def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None, reuse=False, batch=0) -> dict:
     """Generates an answer for every turn (first turns unless --multi-turn); returns totals and every answer's
     token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds).
-    reuse: a turn prefills only what the caches do not hold from the conversation's earlier turns."""
+    reuse: a turn prefills only what the caches do not hold from the conversation's earlier turns.
+    batch: first turns batch at a time (Generator.generate_batch); a last, smaller group is left out."""
     totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[], prefill=[])
+    if batch:
+        for i in range(0, len(conversations) - batch + 1, batch):
+            prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations[i:i + batch]]
+            torch.manual_seed(a.seed)
+            results = gen.generate_batch(prompts, a.max_new_tokens, sampling, margs.stop_tokens)
+            totals["seconds"] += results[0].seconds
+            for r in results:
+                add_result(totals, r)
+        return totals
     it = conversations
     if progress:
         from tqdm import tqdm
@@ -67,14 +87,8 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
                 totals["prefill"].append((t, r.prefill_seconds, r.prefilled, len(prompt)))
             else:
                 r = Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
-            totals["outputs"].append(r.token_ids)
-            totals["new_tokens"] += len(r.token_ids)
+            add_result(totals, r)
             totals["seconds"] += r.seconds
-            totals["turns"] += 1
-            if r.accept_hist:
-                totals["cycles"] += r.cycles
-                totals["cycle_tokens"] += len(r.token_ids) - 1
-                totals["hist"] = [x + y for x, y in zip(totals["hist"] or [0] * len(r.accept_hist), r.accept_hist)]
             answer = [t for t in r.token_ids if t not in margs.stop_tokens]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
     return totals
@@ -117,8 +131,11 @@ def bench(a) -> dict:
     results, outputs = {}, {}
     for mode in a.modes.split(","):
         gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
-        results[mode], outputs[mode] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling)
-        _partial(a, base, conversations, results)
+        for batch in a.batch_sizes or [0]:
+            name = f"{mode} B={batch}" if batch else mode
+            results[name], outputs[name] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling, batch=batch)
+            results[name]["mode"] = name
+            _partial(a, base, conversations, results)
     if a.multi_turn and "none" in results:  # the same turns, each prefilled from scratch: what reuse saves
         name = "none, no reuse"
         results[name], outputs[name] = _timed_row("none", base, tokenizer, margs, conversations, a, sampling, reuse=False)
@@ -138,11 +155,12 @@ def bench(a) -> dict:
     for name, run in runners.items():
         results[name], outputs[name] = _timed_row(name, run, tokenizer, margs, conversations, a, sampling)
         _partial(a, base, conversations, results)
-    if "none" in results:
-        for name, row in results.items():
-            row["speedup"] = round(row["tokens_per_s"] / results["none"]["tokens_per_s"], 3)
-            if name != "none" and a.temperature == 0:
-                row["greedy_agreement"] = greedy_agreement(outputs["none"], outputs[name])
+    for name, row in results.items():  # against vanilla at the same batch size
+        base_name = "none" + name[len(name.split(" B=")[0]):] if " B=" in name else "none"
+        if base_name in results:
+            row["speedup"] = round(row["tokens_per_s"] / results[base_name]["tokens_per_s"], 3)
+            if name != base_name and a.temperature == 0:
+                row["greedy_agreement"] = greedy_agreement(outputs[base_name], outputs[name])
     return report(a, base, conversations, results)
 
 
@@ -203,29 +221,35 @@ def prefill_per_turn(prefill: list) -> dict:
             "prefilled_tokens_per_turn": [round(mean(2, t), 1) for t in turns], "prompt_tokens_per_turn": [round(mean(3, t), 1) for t in turns]}
 
 
-def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reuse=None) -> tuple:
-    """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode). reuse: default --multi-turn."""
+def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reuse=None, batch=0) -> tuple:
+    """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode). reuse: default --multi-turn.
+    batch: rows per generate_batch call (0: one prompt at a time)."""
     reuse = a.multi_turn if reuse is None else reuse
     ours = isinstance(gen, Generator)
     if ours:  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
         gen.reserve(longest_context(tokenizer, margs, conversations, a))
+    if batch > len(conversations):
+        raise UsageError(f"--batch-sizes {batch} exceeds the {len(conversations)} conversations")
     t0 = time.perf_counter()
-    run_mode(gen, tokenizer, margs, conversations[:1], a, sampling, progress=False, reuse=reuse)  # warm-up and compile
+    run_mode(gen, tokenizer, margs, conversations[:max(1, batch)], a, sampling, progress=False, reuse=reuse, batch=batch)  # warm-up and compile
     warmup = time.perf_counter() - t0
     device = gen.device if ours else torch.device("cpu")
     if device.type == "cuda":
         torch.cuda.reset_peak_memory_stats()
-    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling, name=mode, reuse=reuse)
+    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling, name=mode, reuse=reuse, batch=batch)
     row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
            "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
            "peak_memory_mb": round(peak_memory_mb(device), 1)}
     if not ours:
         return row, tot["outputs"]
-    row.update(reuse=reuse, **prefill_per_turn(tot["prefill"]))
+    if batch:
+        row.update(batch_size=batch)
+    else:
+        row.update(reuse=reuse, **prefill_per_turn(tot["prefill"]))
     if gen.spec:
         row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
                    **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
-        if a.split:
+        if a.split and not batch:
             row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
     return row, tot["outputs"]
 
@@ -322,6 +346,17 @@ def print_table(report: dict):
                     zip(r["prefill_ms_per_turn"], r["prefilled_tokens_per_turn"], r["prompt_tokens_per_turn"]))))
 
 
+def parse_batch_sizes(a) -> list:
+    text = a.batch_sizes if a.batch_size is None else str(a.batch_size)
+    try:
+        sizes = [int(x) for x in text.split(",")] if text else []
+    except ValueError:
+        raise UsageError(f"--batch-sizes takes a comma list of integers, got {text!r}") from None
+    if any(b < 1 for b in sizes):
+        raise UsageError(f"batch sizes must be >= 1, got {text}")
+    return sizes
+
+
 def main(argv=None) -> int:
     p = UsageParser(description="Benchmark vanilla and speculative decoding on the same prompts.")
     p.add_argument("--checkpoint", type=Path, default=None)
@@ -356,6 +391,9 @@ def main(argv=None) -> int:
                    help="also time HF transformers generate (plain, prompt lookup 10) and llama.cpp (bf16, Q8_0, Q4_1 GGUF) on the same prompts")
     p.add_argument("--groupsize", type=int, default=32, help="with --quantize int4")
     p.add_argument("--assume-tau", type=float, default=4.7, help="with --random-shape: tau for the implied tokens/s (EAGLE-2 paper: 4.7)")
+    p.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
+                   help="each mode also at these batch sizes (first turns, B per generate_batch; a last, smaller group is left out)")
+    p.add_argument("--batch-size", type=int, default=None, metavar="B", help="--batch-sizes B")
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
@@ -374,6 +412,9 @@ def main(argv=None) -> int:
             unknown = set((value or "").split(",")) - set(known) if value is not None else set()
             if unknown:
                 raise UsageError(f"unknown {flag} {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
+        a.batch_sizes = parse_batch_sizes(a)
+        if a.batch_sizes and (a.multi_turn or a.sweep or a.random_shape or a.peers or a.quantize):
+            raise UsageError("--batch-sizes times first turns of our modes; not with --multi-turn, --sweep, --random-shape, --peers or --quantize")
         if a.random_shape and a.quantize and "," in a.quantize:
             raise UsageError("--random-shape takes one --quantize mode")
         result = shape_bench(a) if a.random_shape else sweep(a) if a.sweep else bench(a)

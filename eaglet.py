@@ -12,6 +12,7 @@ from typing import Optional
 import torch
 from torch import Tensor
 
+import batch
 import dtypes
 import sizing
 import tp
@@ -151,6 +152,11 @@ def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Samplin
     return sampling.draw(logits[0, -1]).view(1)
 
 
+def decode_row(target: Transformer, _drafter, _state, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
+    """decode_one as batch.batched runs it: one row's token [1] at its position [1]."""
+    return decode_one(target, token, pos, sampling)
+
+
 # ---------------------------------------------------------------- results
 
 @dataclass
@@ -242,6 +248,11 @@ class Generator:
         self.prefill, self.decode_one = prefill, decode_one
         self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
         self.plain_cycle = lookup_step
+        # generate_batch's steps: every row's cycle (lookup: always with drafts; a row's tokens are the same) or
+        # decode step in one vmapped call over per-row caches (batch.py)
+        self.rows = None
+        self.batch_cycle = batch.batched(lookup_cycle if spec and spec.mode == "lookup" else self.cycle) if spec else None
+        self.batch_step = batch.batched(decode_row)
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, self.device, dynamic=True)
@@ -250,6 +261,8 @@ class Generator:
                 self.cycle = compiled(self.cycle, self.device, mode=mode)
             if spec and spec.mode == "lookup":
                 self.plain_cycle = compiled(lookup_step, self.device, mode=mode)
+            self.batch_cycle = compiled(self.batch_cycle, self.device, mode=mode) if spec else None
+            self.batch_step = compiled(self.batch_step, self.device, mode=mode)
 
     def reserve(self, max_len: int) -> bool:
         """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit. -> True when the
@@ -291,12 +304,7 @@ class Generator:
         run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle.
         reuse: prefill only what the caches do not hold yet from this Generator's last prompt and answer (a
         chat's next turn); the answer is the same as without."""
-        if max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if not prompt:
-            raise UsageError("the prompt is empty (no tokens to condition on)")
-        if len(prompt) + max_new_tokens > self.target.args.block_size:
-            raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
+        self.check(prompt, max_new_tokens)
         fresh = self.reserve(len(prompt) + max_new_tokens)
         self.target.taps = self.taps  # another Generator may share the target
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
@@ -335,17 +343,32 @@ class Generator:
             else:
                 pos = torch.tensor([len(prompt) + len(out) - 1], device=self.device)
                 new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
-            new = new[: max_new_tokens - len(out)]
-            for i, t in enumerate(new):
-                if t in stop_ids:
-                    new = new[: i + 1]
-                    break
+            new = batch.cut(new, max_new_tokens - len(out), stop_ids)
             out += new
             if on_tokens:
                 on_tokens(new)
         sync()
         self.target.kv_stream = (self.kv_key, prompt + out)
         return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
+
+    def check(self, prompt: list, max_new_tokens: int):
+        if max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
+        if not prompt:
+            raise UsageError("the prompt is empty (no tokens to condition on)")
+        if len(prompt) + max_new_tokens > self.target.args.block_size:
+            raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
+
+    def generate_batch(self, prompts: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None) -> list:
+        """Answers to several prompts at once (batch.py): each prompt is prefilled alone, then every step runs all
+        rows in one forward, one draft tree per row. A row's answer is what generate() gives it alone; a row that
+        is done waits for the others. -> a Result per prompt (seconds: the whole batch's)."""
+        for prompt in prompts:
+            self.check(prompt, max_new_tokens)
+        stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
+        rows, seconds, prefill_seconds = batch.generate(self, prompts, max_new_tokens, sampling, stop_ids)
+        return [Result(out, seconds, sum(hist) if self.spec else 0, hist if self.spec else None, len(prompt), prefill_seconds)
+                for (out, hist), prompt in zip(rows, prompts)]
 
     def chat(self, messages, max_new_tokens: int = 200, sampling: Sampling = GREEDY, chat: bool = True) -> tuple:
         """messages: a user turn (str) or a conversation [{"role", "content"}] -> (answer text, Result)."""

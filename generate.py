@@ -12,13 +12,17 @@ import tp
 from checkpoint import UsageError, UsageParser
 from eaglet import check_sampling, load_generator
 from speculate import MODES
+from prompts import load_conversations
 from tokenizer import StreamDecoder, encode_prompt
+
+DEFAULT_PROMPT = "What is the capital of France?"
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(description="Generate text with a LLaMA-family model, optionally with speculative decoding.")
     p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
-    p.add_argument("--prompt", default="What is the capital of France?")
+    p.add_argument("--prompt", action="append", default=None, help="default: What is the capital of France?; repeated: answered in one batch")
+    p.add_argument("--prompts", type=Path, default=None, help="answer the first turns of an MT-bench-format jsonl in one batch")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: on for chat models)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (argmax)")
@@ -101,6 +105,23 @@ def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
         print(dim(status), file=sys.stderr)
 
 
+def answer_batch(gen, tokenizer, prompts: list, a, sampling, quiet: bool) -> int:
+    """Several prompts in one batch (Generator.generate_batch): each answer in order, or one JSON object per answer."""
+    stops = gen.target.args.stop_tokens
+    results = gen.generate_batch(prompts, a.max_new_tokens, sampling, stops)
+    for i, result in enumerate([] if quiet else results):
+        text = tokenizer.decode([t for t in result.token_ids if t not in stops])
+        if a.json:
+            print(json.dumps({"index": i, "text": text, "token_ids": result.token_ids, **result.metrics(gen.spec)}))
+        else:
+            print(f"[{i}] {text}")
+            print(status_line(result, gen.spec), file=sys.stderr)
+    if not quiet and not a.json:
+        total = sum(len(r.token_ids) for r in results)
+        print(f"[batch of {len(results)}: {total} tokens in {results[0].seconds:.2f} s, {total / results[0].seconds:.1f} tok/s]", file=sys.stderr)
+    return 0
+
+
 def main(argv=None) -> int:
     quiet = tp.rank() != 0  # every rank generates the same tokens; rank 0 alone prints them
     try:
@@ -113,10 +134,16 @@ def main(argv=None) -> int:
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)
         if a.interactive:
+            if a.prompt or a.prompts:
+                raise UsageError("--interactive reads its prompts from the terminal, not --prompt or --prompts")
             if tp.world_size() > 1:
                 raise UsageError("--interactive runs in one process, not under torchrun")
             return chat(gen, tokenizer, a, sampling, chat_template)
-        prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": a.prompt}], chat_template)
+        questions = (a.prompt or []) + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
+        prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": q}], chat_template) for q in questions or [DEFAULT_PROMPT]]
+        if len(prompts) > 1:
+            return answer_batch(gen, tokenizer, prompts, a, sampling, quiet)
+        prompt = prompts[0]
         stream, _ = streamer(tokenizer, margs.stop_tokens, show=not a.json and not quiet)
         result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream)
     except UsageError as e:

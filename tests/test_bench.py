@@ -46,6 +46,22 @@ def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
     assert "eagle2" in capsys.readouterr().out
 
 
+def test_bench_batch_sizes_time_each_mode_at_each_size(setup_dirs):
+    root, prompts = setup_dirs
+    out = root / "batches.json"
+    argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--modes", "none,eagle2", "--batch-sizes", "1,2",
+            "--prompts", str(prompts), "--max-new-tokens", "12", "--num-draft-tokens", "8", "--depth", "3", "--topk", "4",
+            "--dtype", "float32", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    modes = json.loads(out.read_text())["modes"]
+    assert list(modes) == ["none B=1", "none B=2", "eagle2 B=1", "eagle2 B=2"]
+    assert [m["turns"] for m in modes.values()] == [3, 2, 3, 2]  # B=2 leaves out the third conversation
+    assert modes["none B=2"]["speedup"] == 1.0 and modes["eagle2 B=2"]["batch_size"] == 2
+    assert modes["eagle2 B=2"]["speedup"] == round(modes["eagle2 B=2"]["tokens_per_s"] / modes["none B=2"]["tokens_per_s"], 3)
+    assert modes["eagle2 B=1"]["greedy_agreement"]["identical_share"] == modes["eagle2 B=2"]["greedy_agreement"]["identical_share"] == 1.0
+    assert bench.main(argv[:-2] + ["--batch-sizes", "0"]) == 2
+
+
 def test_bench_missing_prompts_is_one_line_error(tmp_path, capsys):
     assert bench.main(["--prompts", str(tmp_path / "none.jsonl")]) == 2
     assert capsys.readouterr().err.strip().startswith("error: prompts file")

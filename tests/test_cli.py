@@ -59,6 +59,17 @@ def test_greedy_matches_transformers(default_dir, hf_greedy, prompt):
         assert "Paris" in ours["text"]
 
 
+def test_a_batch_of_prompts_answers_each_as_alone(default_dir, hf_greedy):
+    # three prompts in one batch, eagle2 with the shipped head: every row is the same greedy answer as transformers'
+    argv = [x for prompt in PROMPTS for x in ("--prompt", prompt)]
+    r = subprocess.run([sys.executable, "generate.py", "--json", *argv, "--max-new-tokens", "48", "--dtype", "float32", "--speculate", "eagle2",
+                        "--depth", "4", "--topk", "6", "--num-draft-tokens", "16"], cwd=REPO, capture_output=True, text=True, check=True)
+    rows = [json.loads(line) for line in r.stdout.splitlines()]
+    assert [row["index"] for row in rows] == [0, 1, 2]
+    assert [row["token_ids"] for row in rows] == [hf_greedy[p] for p in PROMPTS]
+    assert all(row["mean_accept_len"] > 1 for row in rows)
+
+
 BAD = [
     (["--checkpoint", "/nonexistent/model"], "does not exist"),
     (["--checkpoint", str(REPO / "tests")], "config.json"),
@@ -69,6 +80,8 @@ BAD = [
     (["--top-p", "1.5"], "--top-p"),
     (["--speculate", "eagle2", "--draft-vocab", "-1"], "--draft-vocab"),
     (["--speculate", "eagle2", "--num-draft-tokens", "60", "--depth", "2", "--topk", "4"], "exceeds"),
+    (["--prompts", "/nonexistent/prompts.jsonl"], "prompts file"),
+    (["--prompt", "a", "--interactive"], "--interactive"),
 ]
 
 

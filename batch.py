@@ -1,0 +1,113 @@
+# Several sequences at once through the single-sequence steps. Every buffer a step mutates (the target's and the
+# drafter's KV caches, the SpecState) gets a per-row copy stacked along a new leading dim, and torch.vmap runs the
+# unchanged step over the rows: the head drafts B trees in one pass per level (B*k rows), the target verifies
+# B*(m+1) rows in one forward, and each row accepts its own path, so every row is exactly what it would be alone.
+# The weights are shared, never copied. Shapes are fixed for a given B, so a compiled step compiles once per B.
+import time
+from contextlib import nullcontext
+
+import torch
+from torch import Tensor
+from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps tensors with
+
+import dtypes
+
+
+
+def cut(new: list, room: int, stop_ids: set) -> list:
+    """A step's new tokens cut at the token limit (room tokens left) and after the first stop token."""
+    new = new[:room]
+    return next((new[: i + 1] for i, t in enumerate(new) if t in stop_ids), new)
+
+
+def stateful(model) -> dict:
+    """A model's buffers that a step writes: its KV caches."""
+    return {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache"))}
+
+
+class Rows:
+    """Per-row copies of what a step writes, stacked along a new leading dim: the target's and the drafter's KV caches,
+    and every SpecState buffer. self.rows: three dicts {buffer name: [B, ...]}, in the order (target, drafter, state)."""
+
+    def __init__(self, target, drafter, state, batch: int):
+        self.own = (stateful(target), stateful(drafter), dict(state.named_buffers()) if state is not None else {})
+        self.rows = tuple({n: torch.zeros((batch, *b.shape), dtype=b.dtype, device=b.device) for n, b in own.items()} for own in self.own)
+
+    def fits(self, target, drafter, state, batch: int) -> bool:
+        """Whether these rows still match the models' buffers (reserve() may have grown the caches since)."""
+        now = (stateful(target), stateful(drafter), dict(state.named_buffers()) if state is not None else {})
+        return all(own.keys() == row.keys() and all(row[n].shape == (batch, *b.shape) and b is own[n] for n, b in mine.items())
+                   for own, mine, row in zip(self.own, now, self.rows))
+
+    def save(self, i: int):
+        """Row i becomes what the models' own buffers hold (a prompt just prefilled the single-sequence way)."""
+        for own, row in zip(self.own, self.rows):
+            for n, b in own.items():
+                row[n][i].copy_(b)
+
+
+def swap(module, row: dict):
+    """The module reads and writes row's tensors in place of its own buffers of those names, inside the with."""
+    return _reparametrize_module(module, row) if row else nullcontext()
+
+
+def batched(step):
+    """step(target, drafter, state, *row_args, *static) run over B rows -> fn(target, drafter, state, rows, live,
+    row_args, *static); row_args are batched along dim 0, static ones shared. Where live is False a row's SpecState
+    is kept as it was (a finished row stops committing; its caches past its end take writes nobody reads)."""
+
+    def run(target, drafter, state, rows: tuple, live: Tensor, row_args: tuple, *static):
+        def one(target_row, drafter_row, state_row, *args):
+            with swap(target, target_row), swap(drafter, drafter_row), swap(state, state_row):
+                return step(target, drafter, state, *args, *static)
+
+        kept = {n: v.clone() for n, v in rows[2].items()}
+        out = torch.vmap(one, randomness="different")(*rows, *row_args)
+        for n, v in rows[2].items():
+            v.copy_(torch.where(live.view(-1, *[1] * (v.dim() - 1)), v, kept[n]))
+        return out
+
+    return run
+
+
+@torch.inference_mode()
+def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set) -> tuple:
+    """Generator.generate_batch's loop. -> ([(token ids, accept-length histogram) per row], seconds, prefill seconds)."""
+    gen.reserve(max(map(len, prompts)) + max_new_tokens)
+    gen.target.taps = gen.taps
+    drafter, device = gen.head if gen.head is not None else gen.draft_model, gen.device
+    if gen.rows is None or not gen.rows.fits(gen.target, drafter, gen.state, len(prompts)):
+        gen.rows = Rows(gen.target, drafter, gen.state, len(prompts))
+    sync = dtypes.synchronizer(device)
+    sync()
+    t0 = time.perf_counter()
+    outs = []
+    for i, prompt in enumerate(prompts):  # each prompt alone, the single-sequence way, then saved as row i
+        x = torch.tensor([prompt], device=device)
+        h, feats = gen.prefill(gen.target, x, torch.tensor(0, device=device))
+        outs.append([int(sampling.draw(gen.target.output(h[-1])))])
+        if gen.spec:
+            gen._start(x, feats, torch.tensor(outs[-1][0], device=device))
+        gen.rows.save(i)
+    gen.target.kv_stream = (None, [])  # the caches hold the last prompt's prefill only: nothing to reuse
+    prefill_seconds = time.perf_counter() - t0
+    hists = [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
+    live = [len(o) < max_new_tokens and o[-1] not in stop_ids for o in outs]
+    while any(live):
+        live_rows = torch.tensor(live, device=device)
+        if gen.spec:
+            chunks = gen.batch_cycle(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
+        else:  # a finished row repeats its last position: its writes land past its end
+            pos = torch.tensor([[len(p) + len(o) - 1] for p, o in zip(prompts, outs)], device=device)
+            token = torch.tensor([o[-1:] for o in outs], device=device)
+            chunks = gen.batch_step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
+        for b, chunk in enumerate(chunks):
+            if not live[b]:
+                continue
+            if gen.spec:  # [accept_len, committed tokens...] (lookup: and whether it found a match, unused here)
+                hists[b][chunk[0]] += 1
+                chunk = chunk[1:chunk[0] + 2]
+            outs[b] += cut(chunk, max_new_tokens - len(outs[b]), stop_ids)
+            live[b] = len(outs[b]) < max_new_tokens and outs[b][-1] not in stop_ids
+    sync()
+    return list(zip(outs, hists)), time.perf_counter() - t0, prefill_seconds
