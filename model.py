@@ -108,15 +108,17 @@ class KVCache(nn.Module):
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
 
+    # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
+    # rule, and its per-row fallback copied the whole cache at every write (7.6 ms against 0.1 for 30 layers at B=4).
     def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
-        self.k_cache.index_copy_(2, cache_pos, k)
-        self.v_cache.index_copy_(2, cache_pos, v)
+        self.k_cache.transpose(0, 2).index_put_((cache_pos,), k.transpose(0, 2))
+        self.v_cache.transpose(0, 2).index_put_((cache_pos,), v.transpose(0, 2))
         return self.k_cache, self.v_cache
 
     def move(self, src: Tensor, dst: Tensor):
-        # index_select copies first, so overlapping source and destination slots are safe.
-        self.k_cache.index_copy_(2, dst, self.k_cache.index_select(2, src))
-        self.v_cache.index_copy_(2, dst, self.v_cache.index_select(2, src))
+        # The gather copies first, so overlapping source and destination slots are safe.
+        for cache in (self.k_cache.transpose(0, 2), self.v_cache.transpose(0, 2)):
+            cache.index_put_((dst,), cache[src])
 
 
 class RMSNorm(nn.Module):

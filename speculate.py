@@ -182,7 +182,7 @@ def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonu
     st.n_pend.copy_(accept_len + 1)
     st.prev.copy_(tokens[path[-1:]])
     if spec.history:
-        st.history.index_copy_(0, st.L + 1 + rows, nxt)  # rows past accept_len lie past the new root: overwritten later
+        st.history.index_put_((st.L + 1 + rows,), nxt)  # rows past accept_len lie past the new root: overwritten later
     st.L.add_(accept_len + 1)
     st.root.copy_(bonus.view(1))
     return torch.cat([accept_len.view(1), nxt])
