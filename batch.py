@@ -13,16 +13,16 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 import dtypes
 
 
-
 def cut(new: list, room: int, stop_ids: set) -> list:
     """A step's new tokens cut at the token limit (room tokens left) and after the first stop token."""
     new = new[:room]
     return next((new[: i + 1] for i, t in enumerate(new) if t in stop_ids), new)
 
 
-def stateful(model) -> dict:
-    """A model's buffers that a step writes: its KV caches."""
-    return {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache"))}
+def written(target, drafter, state) -> tuple:
+    """The buffers a step writes, as three dicts {name: buffer}: the target's and the drafter's KV caches, the SpecState."""
+    caches = lambda model: {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache"))}  # noqa: E731
+    return caches(target), caches(drafter), dict(state.named_buffers()) if state is not None else {}
 
 
 class Rows:
@@ -30,14 +30,13 @@ class Rows:
     and every SpecState buffer. self.rows: three dicts {buffer name: [B, ...]}, in the order (target, drafter, state)."""
 
     def __init__(self, target, drafter, state, batch: int):
-        self.own = (stateful(target), stateful(drafter), dict(state.named_buffers()) if state is not None else {})
+        self.own, self.batch = written(target, drafter, state), batch
         self.rows = tuple({n: torch.zeros((batch, *b.shape), dtype=b.dtype, device=b.device) for n, b in own.items()} for own in self.own)
 
     def fits(self, target, drafter, state, batch: int) -> bool:
-        """Whether these rows still match the models' buffers (reserve() may have grown the caches since)."""
-        now = (stateful(target), stateful(drafter), dict(state.named_buffers()) if state is not None else {})
-        return all(own.keys() == row.keys() and all(row[n].shape == (batch, *b.shape) and b is own[n] for n, b in mine.items())
-                   for own, mine, row in zip(self.own, now, self.rows))
+        """Whether these rows were made for B rows of these very buffers (reserve() replaces the caches it grows)."""
+        now = written(target, drafter, state)
+        return batch == self.batch and all(a.keys() == b.keys() and all(a[n] is b[n] for n in a) for a, b in zip(self.own, now))
 
     def save(self, i: int):
         """Row i becomes what the models' own buffers hold (a prompt just prefilled the single-sequence way)."""

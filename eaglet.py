@@ -251,7 +251,7 @@ class Generator:
         # generate_batch's steps: every row's cycle (lookup: always with drafts; a row's tokens are the same) or
         # decode step in one vmapped call over per-row caches (batch.py)
         self.rows = None
-        self.batch_cycle = batch.batched(lookup_cycle if spec and spec.mode == "lookup" else self.cycle) if spec else None
+        self.batch_cycle = batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
         if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs

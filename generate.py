@@ -11,8 +11,8 @@ import torch
 import tp
 from checkpoint import UsageError, UsageParser
 from eaglet import check_sampling, load_generator
-from speculate import MODES
 from prompts import load_conversations
+from speculate import MODES
 from tokenizer import StreamDecoder, encode_prompt
 
 DEFAULT_PROMPT = "What is the capital of France?"
