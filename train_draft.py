@@ -35,7 +35,7 @@ import dtypes
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
-from model import Attention, Transformer, apply_rope, causal_mask, eagle3_taps, rope_at
+from model import Attention, Transformer, apply_rope, causal_mask, eagle3_taps, one_line, rope_at
 from tokenizer import load_tokenizer
 
 
@@ -254,8 +254,11 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         if not state_path.exists():
             raise UsageError(f"--resume: no {state_path}")
         state = torch.load(state_path, map_location=target.tok_embeddings.weight.device, weights_only=True)
-        head.load_state_dict(state["head"])
-        opt.load_state_dict(state["optimizer"])
+        try:
+            head.load_state_dict(state["head"])
+            opt.load_state_dict(state["optimizer"])
+        except (RuntimeError, ValueError, KeyError) as e:  # e.g. saved before the head's projections were fused (wqkv, w13)
+            raise UsageError(f"--resume: {state_path} does not fit this head ({one_line(e, 120)}); start over with --init {cfg.out / 'head'}") from None
         step = state["step"]
     else:
         if cfg.init:

@@ -72,6 +72,22 @@ def test_resume_continues_from_saved_step(trained):
     assert resumed < sum(r["loss"] for r in log[:3]) / 3  # the trained weights came back, not a fresh head
 
 
+def test_resume_from_a_state_of_another_layout_is_one_line_exit_2(trained, tmp_path, capsys):
+    # a state saved before the head's projections were fused (w1 and w3 apart) no longer fits the head or its optimizer
+    ckpt, out, first_state, _ = trained
+    state = dict(first_state)
+    state["head"] = {}
+    for k, v in first_state["head"].items():  # the head alone still loads: the fusing hook stacks w1 and w3 again
+        state["head"] |= dict(zip([k.replace("w13", "w1"), k.replace("w13", "w3")], v.chunk(2))) if "w13" in k else {k: v}
+    groups = state["optimizer"]["param_groups"]
+    state["optimizer"] = {**state["optimizer"], "param_groups": [{**g, "params": g["params"] + [len(g["params"])]} for g in groups]}
+    torch.save(state, tmp_path / "train_state.pt")
+    argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path), *TRAIN_ARGS, "--epochs", "6", "--train-only", "--resume"]
+    assert train_draft.main(argv) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error: --resume:") and "--init" in err[0], err
+
+
 def test_train_only_uses_the_featurised_data_and_writes_none(trained, tmp_path):
     ckpt, out, *_ = trained
     before = {p.name: p.stat().st_mtime_ns for p in out.rglob("*") if p.suffix in (".jsonl", ".safetensors") and "head" not in p.parts}
