@@ -264,7 +264,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         if cfg.init:
             weights = load_head(cfg.init, target.args, target.tok_embeddings.weight.device).state_dict()
             own = head.state_dict()
-            head.load_state_dict({k: v for k, v in weights.items() if k != "draft_vocab" and k in own and v.shape == own[k].shape}, strict=False)
+            keep_vocab = cfg.arch == "eagle3"  # its LM head's rows belong to its own draft vocabulary, not this data's count
+            head.load_state_dict({k: v for k, v in weights.items() if (keep_vocab or k != "draft_vocab") and k in own and v.shape == own[k].shape}, strict=False)
         if (cfg.out / "train_log.jsonl").exists():
             (cfg.out / "train_log.jsonl").unlink()
     fc_scale = state.get("fc_scale") if cfg.resume else None

@@ -139,6 +139,27 @@ def test_cli_trains_a_lossless_eagle3_head(trained_eagle3):
     assert Generator(target, spec, head=head).generate(prompt, 32, Sampling()).token_ids == Generator(target).generate(prompt, 32, Sampling()).token_ids
 
 
+def test_init_from_an_eagle3_head_keeps_its_draft_vocabulary(trained_eagle3, tmp_path):
+    # The same head with its draft vocabulary (and LM head rows) in another order is the same drafter: fine-tuning
+    # from either starts at the same loss. Pairing its rows with a vocabulary counted afresh would not.
+    ckpt, out, _ = trained_eagle3
+    from safetensors.torch import load_file, save_file
+
+    state = load_file(str(out / "head" / "model.safetensors"))
+    order = torch.randperm(len(state["draft_vocab"]), generator=torch.Generator().manual_seed(0))
+    state["draft_vocab"], state["lm_head.weight"] = state["draft_vocab"][order], state["lm_head.weight"][order]
+    (tmp_path / "perm").mkdir()
+    save_file(state, str(tmp_path / "perm" / "model.safetensors"))
+    (tmp_path / "perm" / "config.json").write_text((out / "head" / "config.json").read_text())
+    first_loss = {}
+    for name, init in (("same", out / "head"), ("permuted", tmp_path / "perm")):
+        argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path / name), *TRAIN_ARGS, "--arch", "eagle3",
+                "--ttt-steps", "3", "--draft-vocab", "200", "--train-only", "--epochs", "1", "--init", str(init)]
+        assert train_draft.main(argv) == 0
+        first_loss[name] = json.loads((tmp_path / name / "train_log.jsonl").read_text().splitlines()[0])["loss"]
+    assert first_loss["permuted"] == pytest.approx(first_loss["same"], rel=1e-4)
+
+
 def test_bf16_autocast_follows_the_cpu():
     flags = open("/proc/cpuinfo").read() if __import__("os").path.exists("/proc/cpuinfo") else ""
     assert dtypes.native_bf16(torch.device("cpu")) == (" avx512_bf16" in flags or " amx_tile" in flags)
