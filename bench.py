@@ -156,7 +156,7 @@ def bench(a) -> dict:
         results[name], outputs[name] = _timed_row(name, run, tokenizer, margs, conversations, a, sampling)
         _partial(a, base, conversations, results)
     for name, row in results.items():  # against vanilla at the same batch size
-        base_name = "none" + name[len(name.split(" B=")[0]):] if " B=" in name else "none"
+        base_name = "none B=" + name.split(" B=")[1] if " B=" in name else "none"
         if base_name in results:
             row["speedup"] = round(row["tokens_per_s"] / results[base_name]["tokens_per_s"], 3)
             if name != base_name and a.temperature == 0:
