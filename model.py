@@ -13,6 +13,7 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 
 @dataclass
@@ -150,28 +151,44 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
-        if T == 1 and x.device.type == "cpu":
-            y = attend_one(q, k, v, mask)
+        # statically_known_true: a graph compiled for any number of rows (the prefill) keeps SDPA rather than
+        # guarding on T, which would recompile it at the first longer prompt.
+        if self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
+            y = attend_few(q, k, v, mask)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
-def attend_one(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """Attention for one query per row: q [B, H, 1, D], k/v [B, Hkv, S, D], bool mask [S], [1, S] or [B, 1|H, 1, S].
-    SDPA's CPU flash kernel tiles over queries and runs 5-20x slower than this when there is one (B 64, S 512)."""
-    B, H, _, D = q.shape
+# On a CPU, SDPA's flash kernel tiles over the queries and is slow when there are few of them: with a 768-slot
+# bf16 cache it measured 258 us a layer at 16 queries (a tree verify), 922 at 64 and 3040 at 256, against 127, 390
+# and 2460 for the two matmuls of attend_few. Longer prompts keep SDPA, which never materialises the scores, and
+# training (no cache) keeps its fused backward.
+FEW_QUERIES = 256
+
+
+def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+    """Attention for a few queries per row: q [B, H, T, D], k/v [B, Hkv, S, D], bool mask [T, S], [B, 1, T, S]
+    or [B, H, T, S]. Each group of heads that shares a KV head reads the cache in one matmul."""
+    B, H, T, D = q.shape
     n_kv = k.shape[1]
-    if mask.dim() == 4 and mask.shape[1] != 1:
-        mask = mask.reshape(B, n_kv, H // n_kv, -1)  # [B, H, 1, S] as [B, Hkv, G, S]; else it broadcasts as it is
-    q = q.view(B, n_kv, H // n_kv, D)
-    # Compiled, the products and sums fuse into one loop over the cache; as matmuls they were an extern bmm
-    # call each, 20 us per layer on a CPU (issue 14). Eagerly the matmuls win: nothing is materialised.
-    fused = torch.compiler.is_compiling()
-    scores = (q.unsqueeze(-2).float() * k.unsqueeze(2).float()).sum(-1) if fused else (q @ k.transpose(-1, -2)).float()
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)  # [B, Hkv, G, S]
-    y = (probs.unsqueeze(-1) * v.unsqueeze(2).float()).sum(-2) if fused else probs.to(v.dtype) @ v
-    return y.to(v.dtype).view(B, H, 1, D)
+    G = H // n_kv
+    if mask.dim() == 4:
+        mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
+    # Compiled with one query, the products and sums fuse into one loop over the cache; as matmuls they were an
+    # extern call each, 20 us per layer (issue 14). Otherwise, and eagerly, the matmuls win.
+    fused = torch.compiler.is_compiling() and T == 1
+    if fused:
+        q = q.view(B, n_kv, G, 1, D)
+        scores = (q.unsqueeze(-2).float() * k[:, :, None, None].float()).sum(-1)  # [B, Hkv, G, 1, S]
+    else:
+        scores = (q.reshape(B, n_kv, G * T, D) @ k.transpose(-1, -2)).float().view(B, n_kv, G, T, -1)
+    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)
+    if fused:
+        y = (probs.unsqueeze(-1) * v[:, :, None, None].float()).sum(-2)
+    else:
+        y = (probs.to(v.dtype).view(B, n_kv, G * T, -1) @ v).view(B, n_kv, G, T, D)
+    return y.to(v.dtype).view(B, H, T, D)
 
 
 class FeedForward(nn.Module):
@@ -195,8 +212,9 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps) if input_norm else nn.Identity()
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
-        h = x + self.attention(self.attention_norm(x), rope, cache_pos, mask)
+    def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
+        """attention(x, rope, cache_pos, mask): training swaps in its own (train_draft's unrolled steps)."""
+        h = x + (attention or self.attention)(self.attention_norm(x), rope, cache_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
 

@@ -15,7 +15,7 @@ import torch
 import cache
 import dtypes
 import tp
-from model import causal_mask, find_multiple
+from model import FEW_QUERIES, causal_mask, find_multiple
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -95,6 +95,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         pos = CONTEXT + torch.arange(T, device=device)
         tokens = torch.zeros(1, T, dtype=torch.long, device=device)
         mask = causal_mask(pos, target.max_seq_length)
+        few_rows(T, (tokens, 1), (pos, 0), (mask, 0))
         return lambda: run_target(target, tokens, pos, mask)
 
     def head_level(rows):
@@ -102,7 +103,15 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
         feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=target.tok_embeddings.weight.dtype)
         mask = causal_mask(pos, head.max_seq_length)
+        few_rows(rows, (tokens, 0), (pos, 0), (feats, 1), (mask, 0))
         return lambda: run_head(target, head, tokens, feats, pos, mask)
+
+    def few_rows(n, *dims):
+        # One dynamic graph times every size, and it must attend as the cycle's graphs of a fixed size do: the
+        # bound lets the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path.
+        if compile_fn and n > 1:
+            for t, d in dims:
+                torch._dynamo.mark_dynamic(t, d, min=2, max=FEW_QUERIES)
 
     step = _median_ms(target_pass(1), device, reps=5)
     verify = [_median_ms(target_pass(m + 1), device) / step for m in M_CHOICES]
@@ -118,12 +127,18 @@ def device_name(device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
+# Part of the cache key: bumped when the steps' code changes what they cost (2: tree verifies on a CPU read the
+# cache with attend_few's matmuls instead of SDPA, half the attention time), so older measurements are not reused.
+COSTS_VERSION = 2
+
+
 def cache_key(target, head, compiled: bool = False) -> str:
     name = device_name(target.tok_embeddings.weight.device)
     a = target.args
     quant = getattr(target.layers[0].feed_forward.w13, "mode", "float")
     return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
             f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
+            f"|costs {COSTS_VERSION}"
             + ("|compiled" if compiled else ""))
 
 
