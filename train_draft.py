@@ -7,6 +7,9 @@
 #              loss = SmoothL1(pred, f_{j+1}) + 0.1 CE(softmax(lm_head(f_{j+1})) || lm_head(pred)), the CE over the
 #              draft vocabulary (the answers' most frequent tokens) when there is one,
 #              counted where x_{j+1} is an answer token. Embedding and LM head are the target's, frozen.
+#              With --ttt-steps above 1, the same training-time test as eagle3 (below): step i reads the head's own
+#              step i-1 prediction as f and predicts f_{j+1+i}, its loss weighted decay^i (HASS's harmonised
+#              context: what a draft node at depth i+1 reads at inference).
 #   eagle3     training-time test: step 0, slot j reads (emb(x_{j+1}), fused_j); step i reads (emb(x_{j+1+i}), the
 #              head's own step i-1 output) at RoPE position j+i, attending to step 0's keys up to slot j and its
 #              own slot's keys of steps 1..i. Loss = sum_i decay^i CE(target distribution over the draft vocabulary
@@ -35,7 +38,7 @@ import dtypes
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
-from model import Attention, Transformer, apply_rope, causal_mask, eagle3_taps, one_line, rope_at
+from model import Attention, Transformer, apply_rope, eagle3_taps, one_line, rope_at
 from tokenizer import load_tokenizer
 
 
@@ -60,8 +63,8 @@ class TrainConfig(DataConfig):  # the data fields (requests, answers, features) 
     device: Optional[str] = None
     dtype: Optional[str] = None  # the target's; the head trains in float32
     arch: str = "eagle"  # eagle (EAGLE-1/2) | eagle3
-    ttt_steps: int = 7  # eagle3: draft steps unrolled in training (1: no training-time test)
-    ttt_decay: float = 0.8  # eagle3: step i's loss weight is decay^i
+    ttt_steps: int = 0  # draft steps unrolled in training (0: the arch's default, eagle 1, eagle3 7; 1: no training-time test)
+    ttt_decay: float = 0.8  # step i's loss weight is decay^i
     autocast: str = "auto"  # bf16 autocast: auto (where the device has native bf16 matmul) | on | off
 
 
@@ -105,22 +108,35 @@ def make_batch(data: list, idx: list) -> tuple:
 
 
 def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, **_):
-    """-> (loss, stats: regression and classification loss, top-1 agreement with the target's argmax; tokens counted)."""
+    """-> (loss, stats: step 0's regression and classification loss, per-step top-1 agreement with the target's
+    argmax; tokens counted at step 0). One step unless cfg.ttt_steps asks for more (see the top of the file)."""
     tokens, feats, _, lengths, prompt_lens, _ = batch
-    T = tokens.shape[1] - 1
+    steps, T = ttt_steps(cfg), tokens.shape[1] - 1
     slot = torch.arange(T, device=tokens.device)
-    counted = (slot + 1 >= prompt_lens[:, None]) & (slot + 1 < lengths[:, None])
+    tokens = F.pad(tokens, (0, steps - 1))
+    after = F.pad(feats[:, 1:].float(), (0, 0, 0, steps - 1))  # the target state step i at slot j predicts: after[:, j+i]
     feat_in = feats[:, :-1].float()
     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * cfg.noise
-    pred = head(F.embedding(tokens[:, 1:], embed), feat_in, slot, slot, causal_mask(slot, T))[counted]
-    target = feats[:, 1:][counted].float()
-    with torch.no_grad():  # over a draft vocabulary: the target's distribution restricted to it, renormalised
-        target_probs = torch.softmax(F.linear(target, lm_head), dim=-1)
-    logits = F.linear(pred, lm_head)
-    reg = F.smooth_l1_loss(pred, target)
-    cls = F.cross_entropy(logits, target_probs)
-    acc = (logits.argmax(-1) == target_probs.argmax(-1)).float().mean()
-    return reg + cfg.cls_weight * cls, {"reg": reg, "cls": cls, "acc": acc}, int(counted.sum())
+    loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
+    for i, h in enumerate(unrolled_steps(head, embed, tokens, feat_in, steps)):
+        counted = (slot + 1 + i >= prompt_lens[:, None]) & (slot + 1 + i < lengths[:, None])
+        pred, target = h[counted].float(), after[:, i:i + T][counted]
+        with torch.no_grad():  # over a draft vocabulary: the target's distribution restricted to it, renormalised
+            target_probs = torch.softmax(F.linear(target, lm_head), dim=-1)
+        logits = F.linear(pred, lm_head)
+        reg = F.smooth_l1_loss(pred, target)
+        cls = F.cross_entropy(logits, target_probs)
+        loss = loss + cfg.ttt_decay ** i * (reg + cfg.cls_weight * cls)
+        stats["acc_steps"].append((logits.argmax(-1) == target_probs.argmax(-1)).float().mean())
+        if i == 0:
+            stats |= {"reg": reg, "cls": cls}
+            counted0 = int(counted.sum())
+    stats["acc"] = stats["acc_steps"][0]
+    return loss, stats, counted0
+
+
+def ttt_steps(cfg: TrainConfig) -> int:
+    return cfg.ttt_steps or (7 if cfg.arch == "eagle3" else 1)
 
 
 class UnrolledAttention:
@@ -181,16 +197,22 @@ def fused_scale(data: list, rows: int = 65536) -> Tensor:
     return sample.pow(2).mean(0).sqrt().clamp(min=1e-3).reciprocal()
 
 
-def unrolled_steps(head: Eagle3Head, embed: Tensor, tokens: Tensor, fused: Tensor, steps: int, scale=None):
-    """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), fused [B, T, *];
-    scale: fused_scale's, or None."""
-    B, T = fused.shape[:2]
+def unrolled_steps(head: EagleHead, embed: Tensor, tokens: Tensor, feature: Tensor, steps: int, scale=None):
+    """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), feature [B, T, *]:
+    what step 0 reads, the target's states (an EAGLE-3 head's fused ones; scale: fused_scale's, or None). Step i
+    reads the head's own step i-1 output instead."""
+    B, T = feature.shape[:2]
     slot = torch.arange(T, device=tokens.device)
-    fused = fused.to(embed.dtype) if scale is None else fused.to(embed.dtype) * scale.to(embed.dtype)
-    h, attention = head.fc(fused), UnrolledAttention(head.layers[0].attention)
+    h, attention = feature.to(embed.dtype), UnrolledAttention(head.layers[0].attention)
+    if isinstance(head, Eagle3Head):
+        h = head.fc(h if scale is None else h * scale.to(embed.dtype))
     for i in range(steps):
         emb = F.embedding(tokens[:, 1 + i:1 + i + T], embed)
-        h = head.layers[0](emb, h, rope_at(head.rope, slot + i, B), None, None, attention=attention)
+        rope = rope_at(head.rope, slot + i, B)
+        if isinstance(head, Eagle3Head):
+            h = head.layers[0](emb, h, rope, None, None, attention=attention)
+        else:
+            h = head.layers[0](head.fc(torch.cat([emb, h], dim=-1)), rope, None, None, attention=attention)
         yield h
 
 
@@ -199,7 +221,7 @@ def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     target's rows for the draft vocabulary; batch[-1]: cache_keep's masks; fc_scale: fused_scale's.
     -> (loss, stats: step 0's CE and per-step top-1 agreement on counted positions; tokens counted at step 0)."""
     tokens, hidden, fused, lengths, prompt_lens, keep = batch
-    steps, T = cfg.ttt_steps, tokens.shape[1] - 1
+    steps, T = ttt_steps(cfg), tokens.shape[1] - 1
     slot = torch.arange(T, device=tokens.device)
     tokens = F.pad(tokens, (0, steps))  # step i reads x_{j+1+i}; slots past a row's end are never counted
     after = F.pad(hidden[:, 1:].float(), (0, 0, 0, steps))  # the target state that step i at slot j predicts: after[:, j+i]
@@ -246,7 +268,7 @@ def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
 def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
     """Returns the step reached. Appends one line per step to --out/train_log.jsonl. data: records
     {tokens, prompt_len, hidden, fused (eagle3)}, as distill.load_records returns them."""
-    head = new_head(target, max(len(d["tokens"]) for d in data) + cfg.ttt_steps, draft_vocab, cfg.arch)
+    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch)
     opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
     step, state_path = 0, cfg.out / "train_state.pt"
     state = {}
@@ -345,8 +367,8 @@ HELP = {
     "train_only": "train on the conversations whose features are already in --data-dir; generate nothing",
     "init": "start from this head's weights instead of a fresh head",
     "arch": "eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test",
-    "ttt_steps": "eagle3: draft steps unrolled in training (official 7)",
-    "ttt_decay": "eagle3: loss weight decay per unrolled step (official 0.8)",
+    "ttt_steps": "draft steps unrolled in training (training-time test; default eagle 1, eagle3 7 as the official code)",
+    "ttt_decay": "loss weight decay per unrolled step (official 0.8)",
     "autocast": "bf16 autocast (auto: where bf16 matmul is native)",
     "threads": "torch threads (default: torch's choice)",
     "device": "default: cuda if available, else cpu",
@@ -370,9 +392,11 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_config(cfg: TrainConfig):
     for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "feature_tokens", "shard_convs", "epochs",
-                 "batch_size", "save_every", "ttt_steps"):
+                 "batch_size", "save_every"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if cfg.ttt_steps < 0:
+        raise UsageError("--ttt-steps must be >= 1 (0: the arch's default)")
     if cfg.holdout is not None and not cfg.holdout.exists():
         raise UsageError(f"--holdout {cfg.holdout} does not exist")
     if cfg.draft_vocab < 0:

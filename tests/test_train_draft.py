@@ -20,7 +20,8 @@ from model import ModelArgs, Transformer
 from tokenizer import load_tokenizer
 
 TRAIN_ARGS = ["--num-prompts", "6", "--max-request-tokens", "24", "--max-answer-tokens", "48", "--gen-batch", "4",
-              "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "3", "--save-every", "5", "--device", "cpu"]
+              "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "3", "--save-every", "5", "--device", "cpu",
+              "--dtype", "float32"]  # the same data on every CPU, whichever dtype it would choose
 STEPS_PER_EPOCH = 3  # 6 conversations, 2 per step
 SPEC = TreeSpec("eagle2", depth=4, topk=4, num_draft_tokens=12)
 pytestmark = pytest.mark.usefixtures("single_thread")

@@ -35,14 +35,16 @@ def records(target, tokens, prompt_len: int) -> list:
 
 
 @torch.no_grad()
-def test_unrolled_steps_are_what_the_draft_computes(tiny_args, random_model, random_eagle3_head):
+@pytest.mark.parametrize("arch", ["eagle3", "eagle"])
+def test_unrolled_steps_are_what_the_draft_computes(tiny_args, random_model, random_eagle3_head, random_head, arch):
     # Step i at slot j is a draft node at depth i+1 whose context is slots 0..j: computed here with the
     # inference head (KV cache, scratch slots, explicit mask) one node at a time.
     args = tiny_args(n_layer=4)
-    target, head = random_model(args, seed=0), random_eagle3_head(args, seed=1)
+    target = random_model(args, seed=0)
+    head = random_eagle3_head(args, seed=1) if arch == "eagle3" else random_head(args, seed=1)
     T, steps, g = 12, 3, torch.Generator().manual_seed(2)
     tokens = torch.randint(0, 64, (1, T + 1 + steps), generator=g)
-    fused = torch.randn(1, T, 3 * args.dim, generator=g)
+    fused = torch.randn(1, T, (3 if arch == "eagle3" else 1) * args.dim, generator=g)  # what step 0 reads
     embed = target.tok_embeddings.weight
     head.setup_caches(64)
     unrolled = list(train_draft.unrolled_steps(head, embed, tokens, fused, steps))
