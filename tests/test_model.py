@@ -1,7 +1,10 @@
-# The target's forward hands a draft head its features from the pass it already runs.
+# The target's forward hands a draft head its features from the pass it already runs; attention for few queries
+# on a CPU is SDPA's.
+import pytest
 import torch
+import torch.nn.functional as F
 
-from model import causal_mask, eagle3_taps
+from model import attend_few, causal_mask, eagle3_taps
 
 
 def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
@@ -23,3 +26,18 @@ def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
     assert torch.equal(tapped_logits, logits)
     assert torch.allclose(fused, torch.cat([entering[2], entering[3], entering[3]], -1), atol=1e-6)
     assert eagle3_taps(30) == (2, 15, 27)
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("mask_shape", ["[T, S]", "[B, 1, T, S]", "[B, H, T, S]"])
+def test_attend_few_is_sdpa(T, mask_shape, compiled):
+    B, H, n_kv, S, D = 2, 6, 2, 40, 16  # GQA: three query heads per KV head
+    g = torch.Generator().manual_seed(T)
+    q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, S, D, generator=g), torch.randn(B, n_kv, S, D, generator=g)
+    mask = {"[T, S]": torch.rand(T, S, generator=g) < 0.6, "[B, 1, T, S]": torch.rand(B, 1, T, S, generator=g) < 0.6,
+            "[B, H, T, S]": torch.rand(B, H, T, S, generator=g) < 0.6}[mask_shape]
+    mask[..., 0] = True  # every query reads at least one slot, as its own in a cache
+    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    attend = torch.compile(attend_few, fullgraph=True) if compiled else attend_few  # compiled, one query takes the fused loop
+    assert torch.allclose(attend(q, k, v, mask), expected, atol=1e-5)
