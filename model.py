@@ -151,8 +151,7 @@ class Attention(nn.Module):
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v)
-        # statically_known_true: a graph compiled for any number of rows (the prefill) keeps SDPA rather than
-        # guarding on T, which would recompile it at the first longer prompt.
+        # statically_known_true: a graph for any number of rows (the prefill) keeps SDPA instead of guarding on T.
         if self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
             y = attend_few(q, k, v, mask)
         else:
@@ -160,27 +159,22 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
-# On a CPU, SDPA's flash kernel tiles over the queries and is slow when there are few of them: with a 768-slot
-# bf16 cache it measured 258 us a layer at 16 queries (a tree verify), 922 at 64 and 3040 at 256, against 127, 390
-# and 2460 for the two matmuls of attend_few. Longer prompts keep SDPA, which never materialises the scores, and
-# training (no cache) keeps its fused backward.
+# CPU SDPA tiles over queries, slow when they are few: 258 us a layer at 16 (a tree verify over 768 bf16 slots), against
+# 127 for attend_few's matmuls. Longer prompts keep SDPA (no scores in memory), training (no cache) its backward.
 FEW_QUERIES = 256
 
 
 def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
     """Attention for a few queries per row: q [B, H, T, D], k/v [B, Hkv, S, D], bool mask [T, S], [B, 1, T, S]
     or [B, H, T, S]. Each group of heads that shares a KV head reads the cache in one matmul."""
-    B, H, T, D = q.shape
-    n_kv = k.shape[1]
+    (B, H, T, D), n_kv = q.shape, k.shape[1]
     G = H // n_kv
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
     # Compiled with one query, the products and sums fuse into one loop over the cache; as matmuls they were an
     # extern call each, 20 us per layer (issue 14). Otherwise, and eagerly, the matmuls win.
-    fused = torch.compiler.is_compiling() and T == 1
-    if fused:
-        q = q.view(B, n_kv, G, 1, D)
-        scores = (q.unsqueeze(-2).float() * k[:, :, None, None].float()).sum(-1)  # [B, Hkv, G, 1, S]
+    if fused := torch.compiler.is_compiling() and T == 1:
+        scores = (q.view(B, n_kv, G, 1, 1, D).float() * k[:, :, None, None].float()).sum(-1)  # [B, Hkv, G, 1, S]
     else:
         scores = (q.reshape(B, n_kv, G * T, D) @ k.transpose(-1, -2)).float().view(B, n_kv, G, T, -1)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)
@@ -212,8 +206,7 @@ class TransformerBlock(nn.Module):
         self.attention_norm = RMSNorm(args.dim, args.norm_eps) if input_norm else nn.Identity()
         self.ffn_norm = RMSNorm(args.dim, args.norm_eps)
 
-    def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
-        """attention(x, rope, cache_pos, mask): training swaps in its own (train_draft's unrolled steps)."""
+    def forward(self, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:  # see Eagle3Block
         h = x + (attention or self.attention)(self.attention_norm(x), rope, cache_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 
