@@ -61,13 +61,14 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
     token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds).
     reuse: a turn prefills only what the caches do not hold from the conversation's earlier turns.
     batch: first turns batch at a time (Generator.generate_batch); a last, smaller group is left out."""
-    totals = dict(new_tokens=0, seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[], prefill=[])
+    totals = dict(new_tokens=0, seconds=0.0, decode_seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[], prefill=[])
     if batch:
         for i in range(0, len(conversations) - batch + 1, batch):
             prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations[i:i + batch]]
             torch.manual_seed(a.seed)
             results = gen.generate_batch(prompts, a.max_new_tokens, sampling, margs.stop_tokens)
             totals["seconds"] += results[0].seconds
+            totals["decode_seconds"] += results[0].seconds - results[0].prefill_seconds
             for r in results:
                 add_result(totals, r)
         return totals
@@ -89,6 +90,7 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
                 r = Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
             add_result(totals, r)
             totals["seconds"] += r.seconds
+            totals["decode_seconds"] += r.seconds - r.prefill_seconds
             answer = [t for t in r.token_ids if t not in margs.stop_tokens]
             messages.append({"role": "assistant", "content": tokenizer.decode(answer)})
     return totals
@@ -159,6 +161,8 @@ def bench(a) -> dict:
         base_name = "none B=" + name.split(" B=")[1] if " B=" in name else "none"
         if base_name in results:
             row["speedup"] = round(row["tokens_per_s"] / results[base_name]["tokens_per_s"], 3)
+            if "cycle_ms" in row and "cycle_ms" in results[base_name]:  # issue 15's bar: a cycle in decode steps
+                row["cycle_over_step"] = round(row["cycle_ms"] / results[base_name]["cycle_ms"], 3)
             if name != base_name and a.temperature == 0:
                 row["greedy_agreement"] = greedy_agreement(outputs[base_name], outputs[name])
     return report(a, base, conversations, results)
@@ -246,9 +250,11 @@ def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reu
         row.update(batch_size=batch)
     else:
         row.update(reuse=reuse, **prefill_per_turn(tot["prefill"]))
+    # A decode step's or a cycle's time, the prefill left out (a batch: per row, its steps or cycles summed over rows)
+    steps = tot["cycles"] if gen.spec else tot["new_tokens"] - tot["turns"]  # a turn's first token comes from the prefill
+    row["cycle_ms"] = round(1000 * tot["decode_seconds"] / max(steps, 1), 3)
     if gen.spec:
-        row.update(spec=gen.spec.__dict__, cycle_ms=round(1000 * tot["seconds"] / tot["cycles"], 3),
-                   **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
+        row.update(spec=gen.spec.__dict__, **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
         if a.split and not batch:
             row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
     return row, tot["outputs"]
@@ -261,14 +267,14 @@ def sweep(a) -> dict:
     target, head, margs = base.target, base.head, base.target.args
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
                                 compile_fn=sizing_compile(target) if a.compile else None)
-    options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk)[: a.sweep]
+    options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
     rows = [_timed_row("none", Generator(target, compile=a.compile), tokenizer, margs, conversations, a, sampling)[0]]
     for m, depth, k in options:
-        gen = Generator(target, TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m), head, compile=a.compile)
-        rows.append(_timed_row("eagle2", gen, tokenizer, margs, conversations, a, sampling)[0])
-        rows[-1]["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k), 3)
+        spec = TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=sizing.lookup_slots(depth, a.lookup_slots))
+        rows.append(_timed_row("eagle2", Generator(target, spec, head, compile=a.compile), tokenizer, margs, conversations, a, sampling)[0])
+        rows[-1]["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
     sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile)
     for row in rows:

@@ -24,7 +24,6 @@ from speculate import CHAINS, MODES, SpecState, TreeSpec, draft_context, lookup_
 from tokenizer import encode_prompt, load_tokenizer
 
 GREEDY = Sampling()
-LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
 
 
 log_stderr = functools.partial(print, file=sys.stderr)
@@ -128,10 +127,11 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
-            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target) if compile else None)
+            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target) if compile else None,
+                                              lookup=lookup_slots)
         except ValueError as e:
             raise UsageError(str(e)) from None
-    lookup_slots = min(LOOKUP_SLOTS, depth) if lookup_slots is None else lookup_slots
+    lookup_slots = sizing.lookup_slots(depth, lookup_slots)
     if lookup_slots > depth:
         raise UsageError(f"--lookup-slots {lookup_slots} exceeds the tree's depth {depth}")
     return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=lookup_slots)
@@ -206,6 +206,9 @@ CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
 def compiled(fn, device=None, **kw):
     """torch.compile(fullgraph) with this device's Inductor settings. Compiled artefacts persist in Inductor's
     on-disk caches (FX graph and kernel caches), so a second process with the same model warms up faster."""
+    # Dynamo's guards walk every module and weight on each call: 0.74 ms of a 14 ms CPU decode step. With dict
+    # tags a module whose __dict__ has not changed since the last check is skipped whole (0.29 ms).
+    torch._dynamo.config.use_recursive_dict_tags_for_guards = True
     if device is not None:
         import torch._inductor.config as inductor_config
 
@@ -215,8 +218,11 @@ def compiled(fn, device=None, **kw):
     # Dynamo keeps its cache, and its recompile budget (8 variants), per code object. Every Generator
     # compiles a copy of the step with a code object of its own, so a process that runs many tree shapes
     # (bench --sweep, a test suite) never shares one budget across them; fullgraph would make the ninth a hard error.
+    # Shapes stay static unless asked: Dynamo's automatic dynamic shapes remember a function by its source
+    # location, not its code object, so a second tree shape would otherwise compile with symbolic sizes (slower
+    # kernels, and SDPA where model.attend_few needs a known row count: a second tree's cycle ran at 2x the time).
     own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, fullgraph=True, **kw)
+    return torch.compile(own, fullgraph=True, **{"dynamic": False} | kw)
 
 
 def sizing_compile(target: Transformer):

@@ -20,6 +20,7 @@ from model import FEW_QUERIES, causal_mask, find_multiple
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
 TOPK_CHOICES = (4, 10)
+LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
 RANK_ACCEPT = 0.6  # a: about our SmolLM2 head's depth-1 acceptance; the paper's 7B heads reach 0.8
 CONTEXT = 256  # position the costs are measured at
 
@@ -38,21 +39,38 @@ def expected_tau(m: int, depth: int, k: int, a: float = RANK_ACCEPT) -> float:
     return tau
 
 
-def cycle_cost(costs: dict, m: int, depth: int, k: int) -> float:
-    """A cycle in decode steps: the context pass over depth+1 rows, depth-1 expansions of k rows, the verify."""
+def lookup_slots(depth: int, given=None) -> int:
+    """eagle2's prompt-lookup slots: given, else min(LOOKUP_SLOTS, depth)."""
+    return min(LOOKUP_SLOTS, depth) if given is None else given
+
+
+def verify_cost(costs: dict, T: int) -> float:
+    """r(T), linear between the measured T (past the last, at the last segment's slope)."""
+    points = sorted((int(t), r) for t, r in costs["verify"].items())
+    i = next((i for i, (t, _) in enumerate(points) if t >= T), len(points) - 1)
+    (t0, r0), (t1, r1) = points[max(i - 1, 0)], points[max(i, 1)]
+    return r0 + (r1 - r0) * (T - t0) / (t1 - t0)
+
+
+def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None) -> float:
+    """A cycle in decode steps: the context pass over depth+1 rows, depth-1 expansions of k rows, the verify
+    of the root, m nodes and the lookup slots (their tokens are not valued: on text without repeats they are dead)."""
     level = costs["level"]
     ctx = level["4"] + (level["10"] - level["4"]) * (depth + 1 - 4) / 6  # row costs are close to linear
-    return ctx + (depth - 1) * level[str(k)] + costs["verify"][str(m + 1)]
+    return ctx + (depth - 1) * level[str(k)] + verify_cost(costs, m + 1 + lookup_slots(depth, lookup))
 
 
-def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT) -> list:
+def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT, lookup=None) -> list:
     """(m, depth, k) options, keeping any that are given, best first by expected tokens per decode step of
-    time; m never exceeds the pool of k + (depth-1) k^2 candidates."""
+    time; m never exceeds the pool of k + (depth-1) k^2 candidates. lookup: the trees' lookup slots (None: lookup_slots')."""
     grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_CHOICES)
-    options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k]
+    options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup) <= d]
     if not options:
-        raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}")
-    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o), o[0]))
+        if lookup is not None and depth and lookup > depth:
+            raise ValueError(f"--lookup-slots {lookup} exceeds the tree's depth {depth}")
+        raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}"
+                         + (f" and depth >= --lookup-slots {lookup}" if lookup else ""))
+    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup), o[0]))
 
 
 def _median_ms(fn, device, reps: int = 3) -> float:
@@ -166,10 +184,10 @@ def record_sweep(target, head, best: tuple, compiled: bool = False):
     cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {"swept": list(best)})
 
 
-def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None) -> tuple:
+def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None) -> tuple:
     """(m, depth, k) for this device: a --sweep result if there is one and nothing is given, else the cost
     model's best around whatever is given. Times the device the first time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
     if "swept" in costs and not (m or depth or k):
         return tuple(costs["swept"])
-    return ranked_trees(costs, m, depth, k)[0]
+    return ranked_trees(costs, m, depth, k, lookup=lookup)[0]

@@ -112,17 +112,21 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     argmax; tokens counted at step 0). One step unless cfg.ttt_steps asks for more (see the top of the file)."""
     tokens, feats, _, lengths, prompt_lens, _ = batch
     steps, T = ttt_steps(cfg), tokens.shape[1] - 1
-    slot = torch.arange(T, device=tokens.device)
     tokens = F.pad(tokens, (0, steps - 1))
     after = F.pad(feats[:, 1:].float(), (0, 0, 0, steps - 1))  # the target state step i at slot j predicts: after[:, j+i]
     feat_in = feats[:, :-1].float()
     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * cfg.noise
+    # step i at slot j predicts after[:, j+i], counted when that position is an answer's: one mask over positions
+    pos = torch.arange(after.shape[1], device=tokens.device)
+    answer = (pos + 1 >= prompt_lens[:, None]) & (pos + 1 < lengths[:, None])
+    row = answer.flatten().cumsum(0).view_as(answer) - 1  # position -> its row in target_all
+    with torch.no_grad():  # over a draft vocabulary: the target's distribution restricted to it, renormalised
+        target_all = torch.softmax(F.linear(after[answer], lm_head), dim=-1)
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, feat_in, steps)):
-        counted = (slot + 1 + i >= prompt_lens[:, None]) & (slot + 1 + i < lengths[:, None])
+        counted = answer[:, i:i + T]
         pred, target = h[counted].float(), after[:, i:i + T][counted]
-        with torch.no_grad():  # over a draft vocabulary: the target's distribution restricted to it, renormalised
-            target_probs = torch.softmax(F.linear(target, lm_head), dim=-1)
+        target_probs = target_all[row[:, i:i + T][counted]]
         logits = F.linear(pred, lm_head)
         reg = F.smooth_l1_loss(pred, target)
         cls = F.cross_entropy(logits, target_probs)

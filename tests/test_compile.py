@@ -83,6 +83,59 @@ def test_many_tree_shapes_in_one_process_each_get_their_own_compile_cache(tiny_a
     assert len({id(c._torchdynamo_orig_callable.__code__) for c in cycles}) == len(specs)  # one cache each
 
 
+def recording_backend(monkeypatch) -> list:
+    """torch.compile on Dynamo's eager backend (tracing, guards and caches without Inductor's codegen), keeping
+    every graph it compiles."""
+    graphs, real_compile = [], torch.compile
+
+    def backend(gm, example_inputs):
+        graphs.append(gm)
+        return gm.forward
+    monkeypatch.setattr(torch, "compile", lambda fn, **kw: real_compile(fn, **(kw | {"backend": backend})))
+    torch._dynamo.reset()
+    return graphs
+
+
+def symbolic(gm) -> bool:
+    values = [n.meta.get("example_value") for n in gm.graph.nodes if n.op == "placeholder"]
+    return any(isinstance(v, torch.SymInt) or (isinstance(v, torch.Tensor) and any(isinstance(d, torch.SymInt) for d in v.shape))
+               for v in values)
+
+
+def test_a_second_tree_shape_compiles_static(tiny_args, random_model, random_head, single_thread, monkeypatch):
+    # Dynamo's automatic dynamic shapes remember a function by its source location: without dynamic=False the
+    # second shape's cycle would trace with symbolic sizes (slower kernels, SDPA instead of model.attend_few).
+    graphs = recording_backend(monkeypatch)
+    args = tiny_args()
+    target, head = random_model(args, seed=0), random_head(args, seed=1)
+    prompt = prompts([9])[0]
+    for spec in (TreeSpec("eagle2", depth=2, topk=2, num_draft_tokens=3), TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8)):
+        before = len(graphs)
+        Generator(target, spec, head=head, compile=True).generate(prompt, 12, Sampling())
+        cycle_graphs = graphs[before:][1:]  # the first is the prefill's, dynamic by design
+        assert cycle_graphs and not any(symbolic(g) for g in cycle_graphs)
+
+
+@pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8)], ids=["none", "eagle2"])
+def test_guards_still_pick_each_samplings_own_graph(tiny_args, random_model, random_head, single_thread, monkeypatch, spec):
+    # Guards skip modules whose dicts are unchanged (eaglet.compiled). Greedy and sampled steps are different
+    # graphs of one step: each answer must still run its own.
+    recording_backend(monkeypatch)
+    args = tiny_args()
+    target = random_model(args, seed=0)
+    head = random_head(args, seed=1) if spec else None
+    compiled, eager = Generator(target, spec, head, compile=True), Generator(target, spec, head)
+    prompt, hot = prompts([9])[0], Sampling(temperature=1.0)
+
+    def answer(gen, sampling):
+        torch.manual_seed(7)
+        return gen.generate(prompt, 24, sampling).token_ids
+    greedy, sampled = answer(eager, Sampling()), answer(eager, hot)
+    assert sampled != greedy
+    for sampling, expected in ((Sampling(), greedy), (hot, sampled), (Sampling(), greedy), (hot, sampled)):
+        assert answer(compiled, sampling) == expected
+
+
 WARM_START = r"""
 import json, sys, time
 sys.path[:0] = [{repo!r}, {tests!r}]

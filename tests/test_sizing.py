@@ -47,6 +47,18 @@ def test_given_sizes_are_kept_and_the_pool_is_respected():
         sizing.ranked_trees(FLAT, m=60, depth=2, k=4)
 
 
+def test_verify_costs_interpolate_and_the_lookup_slots_are_verified_too():
+    assert [sizing.verify_cost(STEEP, m + 1) for m in sizing.M_CHOICES] == [STEEP["verify"][str(m + 1)] for m in sizing.M_CHOICES]
+    assert sizing.verify_cost(STEEP, 11) == pytest.approx(1 + 11 / 8)  # between 9 and 13
+    assert sizing.verify_cost(STEEP, 67) == pytest.approx(1 + 67 / 8)  # past the last
+    # a tree's lookup slots (default min(3, depth)) ride in its verify: three more rows than the nodes alone
+    assert sizing.cycle_cost(STEEP, 8, 3, 4) == pytest.approx(sizing.cycle_cost(STEEP, 8, 3, 4, lookup=0) + 3 / 8)
+    assert sizing.cycle_cost(STEEP, 8, 2, 4) == pytest.approx(sizing.cycle_cost(STEEP, 8, 2, 4, lookup=0) + 2 / 8)
+    assert {o[1] for o in sizing.ranked_trees(STEEP, lookup=4)} == {4, 5, 6}  # no slot deeper than the tree
+    with pytest.raises(ValueError, match="--lookup-slots 4 exceeds the tree's depth 3"):
+        sizing.ranked_trees(STEEP, depth=3, lookup=4)
+
+
 def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tiny_args, random_model, random_head):
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
