@@ -270,7 +270,9 @@ def exact_distribution(model, sampling, prompt, n=3):
 
 def sample_first_tokens(gen, sampling, prompt=PROMPT):
     """Counts of the first 3 tokens over SAMPLES runs, and the summed accept-length histogram."""
-    torch.manual_seed(0)
+    # Any seed serves. Seed 0 drew a p = 6e-5 outlier in the EAGLE-3 T=1 test once sampling.sample became an inverse
+    # CDF (RNG consumed differently); 10x the samples gave p 0.38, 0.18, 0.48 on seeds 0-2: chance, not a bias.
+    torch.manual_seed(1)
     counts, hist = torch.zeros([V] * 3), 0
     for _ in range(SAMPLES):
         result = gen.generate(prompt, 3, sampling)
