@@ -88,10 +88,8 @@ def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
 
 
 def ancestor_mask(parents: Tensor, depth: int) -> Tensor:
-    """[n, n] bool: row i marks i and its ancestors, found by walking up depth parents (the root is its own).
-    A cumsum over the walk, which Inductor stores (a scan; an aten call on a CPU): as pointwise rounds of "my row
-    |= my parent's row" the mask was inlined into its readers, and under vmap (batch.py) into each layer's
-    attention, 2^depth gathers per score (14 ms of a B=4 cycle)."""
+    """[n, n] bool: row i marks i and its ancestors, walking up depth parents (the root is its own). A scan Inductor
+    stores: as pointwise rounds it was inlined into every layer's attention under vmap (14 ms of a B=4 cycle)."""
     nodes = torch.arange(parents.shape[0], device=parents.device)
     walk = [nodes]
     for _ in range(depth):
