@@ -66,8 +66,8 @@ def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT
     grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_CHOICES)
     options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup) <= d]
     if not options:
-        if lookup is not None and depth and lookup > depth:
-            raise ValueError(f"--lookup-slots {lookup} exceeds the tree's depth {depth}")
+        if lookup is not None and lookup > (depth or max(DEPTH_CHOICES)):
+            raise ValueError(f"--lookup-slots {lookup} exceeds the tree's depth {depth or max(DEPTH_CHOICES)}")
         raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}"
                          + (f" and depth >= --lookup-slots {lookup}" if lookup else ""))
     return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup), o[0]))
