@@ -60,13 +60,11 @@ class EagleHead(DraftHead):
         """Draft logits over the draft vocabulary (the target's LM head when there is none)."""
         return target_output(h) if self.lm_head is None else self.lm_head(h)
 
-    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
-        """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm)."""
+    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
+        """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm). attention: see
+        Eagle3Block."""
         x = self.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
-        rope = rope_at(self.rope, input_pos, x.shape[0])
-        for layer in self.layers:
-            x = layer(x, rope, cache_pos, mask)
-        return x
+        return self.layers[0](x, rope_at(self.rope, input_pos, x.shape[0]), cache_pos, mask, attention)
 
 
 class Eagle3Block(nn.Module):
@@ -102,13 +100,13 @@ class Eagle3Head(DraftHead):
         """Draft logits over the head's own vocabulary (draft ids; target_ids maps them)."""
         return self.lm_head(self.norm(h))
 
-    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
         """emb [B, T, dim]; feature [B, T, taps * dim] (the target's fused states) or [B, T, dim] (the head's
         own output one level up, which skips fc) -> the layer's output [B, T, dim], before the final norm."""
         h = feature.to(emb.dtype)
         if h.shape[-1] != self.args.dim:  # static: the shape decides at trace time
             h = self.fc(h)
-        return self.layers[0](emb, h, rope_at(self.rope, input_pos, h.shape[0]), cache_pos, mask)
+        return self.layers[0](emb, h, rope_at(self.rope, input_pos, h.shape[0]), cache_pos, mask, attention)
 
 
 def use_draft_vocab(head: EagleHead, target_output: nn.Module, size=None) -> EagleHead:

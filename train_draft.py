@@ -38,7 +38,7 @@ import dtypes
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
-from model import Attention, Transformer, apply_rope, eagle3_taps, one_line, rope_at
+from model import Attention, Transformer, apply_rope, eagle3_taps, one_line
 from tokenizer import load_tokenizer
 
 
@@ -208,15 +208,10 @@ def unrolled_steps(head: EagleHead, embed: Tensor, tokens: Tensor, feature: Tens
     B, T = feature.shape[:2]
     slot = torch.arange(T, device=tokens.device)
     h, attention = feature.to(embed.dtype), UnrolledAttention(head.layers[0].attention)
-    if isinstance(head, Eagle3Head):
-        h = head.fc(h if scale is None else h * scale.to(embed.dtype))
+    if scale is not None:
+        h = h * scale.to(embed.dtype)
     for i in range(steps):
-        emb = F.embedding(tokens[:, 1 + i:1 + i + T], embed)
-        rope = rope_at(head.rope, slot + i, B)
-        if isinstance(head, Eagle3Head):
-            h = head.layers[0](emb, h, rope, None, None, attention=attention)
-        else:
-            h = head.layers[0](head.fc(torch.cat([emb, h], dim=-1)), rope, None, None, attention=attention)
+        h = head(F.embedding(tokens[:, 1 + i:1 + i + T], embed), h, slot + i, None, None, attention)
         yield h
 
 
