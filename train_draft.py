@@ -116,12 +116,7 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     after = F.pad(feats[:, 1:].float(), (0, 0, 0, steps - 1))  # the target state step i at slot j predicts: after[:, j+i]
     feat_in = feats[:, :-1].float()
     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * cfg.noise
-    # step i at slot j predicts after[:, j+i], counted when that position is an answer's: one mask over positions
-    pos = torch.arange(after.shape[1], device=tokens.device)
-    answer = (pos + 1 >= prompt_lens[:, None]) & (pos + 1 < lengths[:, None])
-    row = answer.flatten().cumsum(0).view_as(answer) - 1  # position -> its row in target_all
-    with torch.no_grad():  # over a draft vocabulary: the target's distribution restricted to it, renormalised
-        target_all = torch.softmax(F.linear(after[answer], lm_head), dim=-1)
+    answer, row, target_all = answer_targets(after, prompt_lens, lengths, lm_head)
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, feat_in, steps)):
         counted = answer[:, i:i + T]
@@ -137,6 +132,18 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
             counted0 = int(counted.sum())
     stats["acc"] = stats["acc_steps"][0]
     return loss, stats, counted0
+
+
+def answer_targets(after: Tensor, prompt_lens: Tensor, lengths: Tensor, lm_head: Tensor) -> tuple:
+    """Step i at slot j predicts position j+i of after [B, P, dim], counted when that position is an answer's, so
+    one mask over positions serves every step. -> (answer [B, P], row [B, P]: a position's row in target_all,
+    target_all [answer positions, draft vocabulary]: the target's distribution restricted to it, renormalised)."""
+    pos = torch.arange(after.shape[1], device=after.device)
+    answer = (pos + 1 >= prompt_lens[:, None]) & (pos + 1 < lengths[:, None])
+    row = answer.flatten().cumsum(0).view_as(answer) - 1
+    with torch.no_grad():
+        target_all = torch.softmax(F.linear(after[answer], lm_head).float(), dim=-1)
+    return answer, row, target_all
 
 
 def ttt_steps(cfg: TrainConfig) -> int:
@@ -221,17 +228,15 @@ def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     -> (loss, stats: step 0's CE and per-step top-1 agreement on counted positions; tokens counted at step 0)."""
     tokens, hidden, fused, lengths, prompt_lens, keep = batch
     steps, T = ttt_steps(cfg), tokens.shape[1] - 1
-    slot = torch.arange(T, device=tokens.device)
     tokens = F.pad(tokens, (0, steps))  # step i reads x_{j+1+i}; slots past a row's end are never counted
     after = F.pad(hidden[:, 1:].float(), (0, 0, 0, steps))  # the target state that step i at slot j predicts: after[:, j+i]
     keep_all = F.pad(keep, (0, steps))  # cache_keep's mask: the target's argmax lies in the draft vocabulary
-    with torch.no_grad():  # the target's distribution restricted to the draft vocabulary, renormalised, at every
-        target_all = torch.softmax((after @ lm_head.T).float(), -1)  # position once: step i reads it shifted by i
+    answer, row, target_all = answer_targets(after, prompt_lens, lengths, lm_head)
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, fused[:, :T], steps, fc_scale)):
-        counted = (slot + 1 + i >= prompt_lens[:, None]) & (slot + 1 + i < lengths[:, None])
+        counted = answer[:, i:i + T]
         with torch.no_grad():
-            target_probs = target_all[:, i:i + T][counted]
+            target_probs = target_all[row[:, i:i + T][counted]]
             keep = keep_all[:, i:i + T][counted].float()
         logits = head.logits(h[counted]).float()
         ce = -(target_probs * F.log_softmax(logits, -1)).sum(-1)
