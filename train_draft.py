@@ -212,7 +212,7 @@ def unrolled_steps(head: EagleHead, embed: Tensor, tokens: Tensor, feature: Tens
     """Yields the head's output [B, T, dim] at each unrolled step; tokens [B, T + steps] (padded), feature [B, T, *]:
     what step 0 reads, the target's states (an EAGLE-3 head's fused ones; scale: fused_scale's, or None). Step i
     reads the head's own step i-1 output instead."""
-    B, T = feature.shape[:2]
+    T = feature.shape[1]
     slot = torch.arange(T, device=tokens.device)
     h, attention = feature.to(embed.dtype), UnrolledAttention(head.layers[0].attention)
     if scale is not None:

@@ -136,7 +136,6 @@ def test_guards_still_pick_each_samplings_own_graph(tiny_args, random_model, ran
         assert answer(compiled, sampling) == expected
 
 
-
 @pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)], ids=["none", "eagle2"])
 def test_a_regrown_cache_still_recompiles_the_steps(tiny_args, random_model, random_head, single_thread, spec):
     # Caches reallocated for a longer answer must send every compiled step to a new graph, never replay the old one
@@ -151,6 +150,7 @@ def test_a_regrown_cache_still_recompiles_the_steps(tiny_args, random_model, ran
     before = target.max_seq_length
     assert compiled.generate(long, 300, Sampling(), stop_ids=set()).token_ids == eager.generate(long, 300, Sampling(), stop_ids=set()).token_ids
     assert target.max_seq_length > before
+
 
 WARM_START = r"""
 import json, sys, time
