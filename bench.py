@@ -20,10 +20,20 @@ import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint
 from draft import EagleHead
 from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill, sizing_compile
-from model import SHAPES, Transformer, find_multiple
+from model import ModelArgs, Transformer, find_multiple
 from prompts import MT_BENCH, load_conversations
 from speculate import CHAINS, TreeSpec
 from tokenizer import encode_prompt
+
+# Named shapes (gpt-fast's transformer_configs): speed depends on shapes alone, so --random-shape can time a 7B
+# cycle without its weights. The ModelArgs defaults are Llama-2-7B's.
+SHAPES = {
+    "llama-2-7b": ModelArgs(),
+    "llama-3-8b": ModelArgs(n_local_heads=8, intermediate_size=14336, vocab_size=128256, rope_base=500000.0, block_size=8192),
+    "smollm2-135m": ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152,
+                              rope_base=100000.0, block_size=8192, tie_embeddings=True),
+    "tiny": ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=320, block_size=2048),
+}
 
 
 def peak_memory_mb(device) -> float:

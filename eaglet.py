@@ -207,6 +207,7 @@ def compiled(fn, device=None, **kw):
     """torch.compile(fullgraph) with this device's Inductor settings. Compiled artefacts persist in Inductor's
     on-disk caches (FX graph and kernel caches), so a second process with the same model warms up faster."""
     torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # skip unchanged modules' guards: 0.74 -> 0.29 ms a call
+    torch._dynamo.config.capture_scalar_outputs = True  # model.live_width's .item() stays in the graph
     if device is not None:
         import torch._inductor.config as inductor_config
 

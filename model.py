@@ -49,17 +49,6 @@ class ModelArgs:
         Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
 
 
-# Named shapes (gpt-fast's transformer_configs): speed depends on shapes alone, so bench.py --random-shape can
-# time a 7B cycle without its weights. The ModelArgs defaults are Llama-2-7B's.
-SHAPES = {
-    "llama-2-7b": ModelArgs(),
-    "llama-3-8b": ModelArgs(n_local_heads=8, intermediate_size=14336, vocab_size=128256, rope_base=500000.0, block_size=8192),
-    "smollm2-135m": ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152,
-                              rope_base=100000.0, block_size=8192, tie_embeddings=True),
-    "tiny": ModelArgs(dim=64, n_layer=2, n_head=4, n_local_heads=2, intermediate_size=128, vocab_size=320, block_size=2048),
-}
-
-
 def rope_frequencies(args: ModelArgs) -> Tensor:
     d = args.head_dim
     freqs = 1.0 / (args.rope_base ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
@@ -111,10 +100,10 @@ class KVCache(nn.Module):
 
     # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
     # rule, and its per-row fallback copied the whole cache at every write (7.6 ms against 0.1 for 30 layers at B=4).
-    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor):
+    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor, width: int):
         self.k_cache.transpose(0, 2).index_put_((cache_pos,), k.transpose(0, 2))
         self.v_cache.transpose(0, 2).index_put_((cache_pos,), v.transpose(0, 2))
-        return self.k_cache, self.v_cache
+        return self.k_cache[:, :, :width], self.v_cache[:, :, :width]  # the first width slots: what the mask covers
 
     def move(self, src: Tensor, dst: Tensor):
         # The gather copies first, so overlapping source and destination slots are safe.
@@ -150,7 +139,7 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         if self.kv_cache is not None:
-            k, v = self.kv_cache.update(cache_pos, k, v)
+            k, v = self.kv_cache.update(cache_pos, k, v, mask.shape[-1])
         # statically_known_true: a graph for any number of rows (the prefill) keeps SDPA instead of guarding on T.
         if self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
             y = attend_few(q, k, v, mask)
@@ -246,7 +235,7 @@ class Transformer(nn.Module):
         the hidden states entering those layers, concatenated [B, T, len(taps) * dim]: taken from the
         forward that runs anyway, never from an extra pass.
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots;
-        mask [T, S] or [B, T, S] bool over all S cache slots (True = may attend)."""
+        mask [T, S] or [B, T, S] bool over the first S cache slots (True = may attend; live_width)."""
         x = self.tok_embeddings(idx)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
@@ -284,8 +273,21 @@ def find_multiple(n: int, k: int) -> int:
 
 
 def causal_mask(cache_pos: Tensor, max_seq_length: int) -> Tensor:
-    """Row i may read every slot up to and including cache_pos[i]."""
-    return torch.arange(max_seq_length, device=cache_pos.device) <= cache_pos.unsqueeze(-1)
+    """Row i may read every slot up to and including cache_pos[i]; no wider than the slots any row reads."""
+    width = live_width(cache_pos.max(), max_seq_length)
+    return torch.arange(width, device=cache_pos.device) <= cache_pos.unsqueeze(-1)
+
+
+def live_width(last_slot: Tensor, length: int) -> int:
+    """Cache slots a pass reads: up to last_slot on a CPU, where attention costs what it reads (a 9-row verify,
+    768 bf16 slots: 146 us a layer, 200 slots: 78), one graph for every width (an unbacked size when compiled).
+    All of them on a GPU (CUDA graphs replay fixed shapes) and under torch.vmap (batch.py: rows end apart)."""
+    if last_slot.device.type != "cpu" or torch._C._functorch.is_batchedtensor(last_slot):
+        return length
+    width = int(last_slot.item()) + 1
+    torch._check(width >= 1)
+    torch._check(width <= length)
+    return width
 
 
 def one_line(err: Exception, limit: int = 200) -> str:

@@ -1,4 +1,4 @@
-# One speculative cycle, every shape fixed and one host sync at its end (Generator.generate reads the tokens):
+# One speculative cycle, fixed shapes (but attention's width on a CPU: model.live_width), one host sync at its end:
 #   draft_context  the head reads the pairs (target feature f_j, next token x_{j+1}) committed last cycle
 #   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (spectree.py)
 #   verify         one target forward over [root] + m nodes
@@ -15,7 +15,7 @@ from torch import Tensor
 import lookup
 import spectree
 from draft import DraftHead
-from model import Transformer, causal_mask
+from model import Transformer, causal_mask, live_width
 from sampling import Sampling, sample
 
 MODES = ("none", "eagle2", "eagle", "sps", "lookup")
@@ -26,10 +26,9 @@ STATIC_LEVELS = [sum(d < level for d in _depths) for level in range(max(_depths)
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """The shape of a cycle; each field is what its mode reads. eagle2: depth levels, topk nodes expanded per
-    level (and children per node), num_draft_tokens (m) nodes verified besides the root. eagle: the published
-    EAGLE-1 tree (TreeSpec.static()). sps, lookup: a chain of k drafts (TreeSpec.chain(mode, k)), which is a
-    tree of depth k with one child per node."""
+    """The shape of a cycle, each field read by its modes. eagle2: depth levels, topk nodes expanded per level (and
+    children per node), m = num_draft_tokens nodes verified besides the root. eagle: the published EAGLE-1 tree
+    (TreeSpec.static()). sps, lookup: a chain of k drafts (TreeSpec.chain(mode, k)), a tree of one child per node."""
     mode: str = "eagle2"  # eagle2 (dynamic tree) | eagle (static tree) | sps, lookup (chains)
     depth: int = 6  # draft levels: a cycle commits at most depth + 1 tokens
     topk: int = 10
@@ -161,8 +160,8 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
 def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor):
     """One target forward over the tree at slots L.., positions L + depth, each node seeing the
     committed context and its ancestors."""
-    n, S = tokens.shape[0], target.max_seq_length
-    rel = torch.arange(S, device=tokens.device) - st.L
+    n = tokens.shape[0]
+    rel = torch.arange(live_width(st.L + n - 1, target.max_seq_length), device=tokens.device) - st.L
     in_tree = (rel >= 0) & (rel < n)
     mask = (rel < 0) | (anc[:, rel.clamp(0, n - 1)] & in_tree)
     slots = st.L + torch.arange(n, device=tokens.device)

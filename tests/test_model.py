@@ -1,10 +1,11 @@
 # The target's forward hands a draft head its features from the pass it already runs; attention for few queries
-# on a CPU is SDPA's.
+# on a CPU is SDPA's, and a CPU pass reads only the live part of the cache.
 import pytest
 import torch
 import torch.nn.functional as F
 
-from model import attend_few, causal_mask, eagle3_taps
+import eaglet
+from model import attend_few, causal_mask, eagle3_taps, live_width
 
 
 def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
@@ -41,3 +42,30 @@ def test_attend_few_is_sdpa(T, mask_shape, compiled):
     expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
     attend = torch.compile(attend_few, fullgraph=True) if compiled else attend_few  # compiled, one query takes the fused loop
     assert torch.allclose(attend(q, k, v, mask), expected, atol=1e-5)
+
+
+
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
+def test_a_cpu_pass_reads_only_the_live_part_of_the_cache(tiny_args, random_model, single_thread, compiled):
+    # The slots past a pass's last one hold NaN: reading them, even masked (0 * NaN in probs @ v), gives NaN.
+    model = random_model(tiny_args(), seed=0)
+    idx = torch.randint(0, 64, (1, 12), generator=torch.Generator().manual_seed(0))
+
+    def run(x, pos):
+        return model(x, pos, pos, causal_mask(pos, 64))[0]
+
+    step = eaglet.compiled(run, "cpu") if compiled else run
+    outputs = []
+    with torch.inference_mode():
+        for fill, passes in ((0.0, run), (float("nan"), step)):
+            model.setup_caches(64)
+            for layer in model.layers:
+                layer.attention.kv_cache.k_cache.fill_(fill)
+                layer.attention.kv_cache.v_cache.fill_(fill)
+            run(idx[:, :9], torch.arange(9))
+            # One row at a time, three widths: the compiled pass replays one graph for all of them.
+            with torch._dynamo.config.patch(error_on_recompile=True):
+                outputs.append([passes(idx[:, s:s + 1], torch.arange(s, s + 1)) for s in (9, 10, 11)])
+    for clean, poisoned in zip(*outputs):
+        assert torch.isfinite(poisoned).all() and torch.allclose(poisoned, clean, atol=1e-5)
+    assert live_width(torch.tensor(9), 64) == 10 and causal_mask(torch.arange(3, 6), 64).shape == (3, 6)
