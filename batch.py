@@ -88,7 +88,7 @@ def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set) -
         if gen.spec:
             gen._start(x, feats, torch.tensor(outs[-1][0], device=device))
         gen.rows.save(i)
-    gen.target.kv_stream = (None, [])  # the caches hold the last prompt's prefill only: nothing to reuse
+    gen.kv_streams[gen.target] = (None, [])  # the caches hold the last prompt's prefill only: nothing to reuse
     prefill_seconds = time.perf_counter() - t0
     hists = [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
     live = [len(o) < max_new_tokens and o[-1] not in stop_ids for o in outs]

@@ -31,6 +31,23 @@ def prompts(lengths):
     return [torch.randint(0, 64, (n,), generator=g).tolist() for n in lengths]
 
 
+@pytest.mark.parametrize("spec", SPECS[:2], ids=["none", "eagle2-lookup-slots"])
+def test_generate_sets_no_attribute_on_the_models(tiny_args, random_model, random_head, single_thread, spec):
+    # Dynamo passes an unchanged module's guards by its __dict__'s tag alone: an attribute that generate() set on
+    # the target (even one no step reads) sent every later call of a compiled step through all its guards.
+    args = tiny_args()
+    gen = Generator(random_model(args, seed=0), spec, head=random_head(args, seed=1) if spec else None)
+    first, second = prompts([7, 13])
+    gen.generate(first, 8, Sampling())  # sizes the caches
+    modules = [m for root in (gen.target, gen.head, gen.state) if root is not None for m in root.modules()]
+    before = [dict(vars(m)) for m in modules]
+    gen.generate(second, 8, Sampling())
+    gen.generate(second + gen.generate(second, 8, Sampling()).token_ids + first, 8, Sampling(), reuse=True)
+    for module, was in zip(modules, before):
+        now = vars(module)
+        assert now.keys() == was.keys() and all(now[k] is was[k] for k in was), type(module).__name__
+
+
 @pytest.mark.parametrize("device", DEVICES)
 @pytest.mark.parametrize("spec", SPECS, ids=["none", "eagle2-lookup-slots", "eagle", "sps", "lookup"])
 def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, random_head, single_thread, device, spec):
