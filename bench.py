@@ -276,7 +276,7 @@ def sweep(a) -> dict:
     base, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", **mode_options(a, "eagle2"))
     target, head, margs = base.target, base.head, base.target.args
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
-                                compile_fn=sizing_compile(target) if a.compile else None)
+                                compile_fn=sizing_compile(target, head) if a.compile else None)
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)

@@ -15,6 +15,7 @@ from torch import Tensor
 
 import batch
 import dtypes
+import quant
 import sizing
 import tp
 from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
@@ -128,7 +129,7 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
-            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target) if compile else None,
+            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head) if compile else None,
                                               lookup=lookup_slots)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -188,14 +189,11 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
 
 # ---------------------------------------------------------------- compiling
 
-# Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them).
-# Measured on a 2-core AMD EPYC, bf16 SmolLM2-135M vanilla, see BENCHMARKS.md:
-#   freezing     weights become graph constants, prepacked for oneDNN once instead of at every call (the largest
-#                gain). Only what a graph never writes is folded: mutated inputs (KV caches, SpecState) stay live
-#                buffers, and Dynamo guards frozen tensors by identity (another model's weights recompile).
-#   cpp_wrapper  the graph calls its kernels from C++, no Python between them (the CPU's answer to CUDA graphs).
-# max_autotune (CPP GEMM templates) measured slower at one row and multiplies compile time, so it stays off.
-CPU_INDUCTOR = {"freezing": True, "cpp_wrapper": True}
+# Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
+# on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
+# answer to CUDA graphs). The weights come prepacked for oneDNN (quant.PackedLinear), not frozen: Inductor's FX graph
+# cache stores no frozen graph. max_autotune (CPP GEMM templates) measured slower at one row: off.
+CPU_INDUCTOR = {"cpp_wrapper": True}
 # CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
 CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
 
@@ -208,7 +206,7 @@ def compiled(fn, device=None, **kw):
     if device is not None:
         import torch._inductor.config as inductor_config
 
-        # Global, not options=: Dynamo reads `freezing` while tracing (to guard the frozen weights).
+        # Global, not options=: every graph of the process shares them.
         for key, value in (CPU_INDUCTOR if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
             setattr(inductor_config, key, value)
     # Dynamo keeps its cache and recompile budget (8 variants) per code object: each Generator's copy of a step has
@@ -218,9 +216,10 @@ def compiled(fn, device=None, **kw):
     return torch.compile(own, fullgraph=True, **{"dynamic": False} | kw)
 
 
-def sizing_compile(target: Transformer):
-    """How sizing.py compiles the passes it times: as the Generator compiles its steps, with the number of
-    rows dynamic so one graph serves every tree size."""
+def sizing_compile(target: Transformer, head=None):
+    """How sizing.py compiles the passes it times: as the Generator compiles its steps (weights packed), with the
+    number of rows dynamic so one graph serves every tree size."""
+    quant.pack_linears(target, head)
     device = target.tok_embeddings.weight.device
     return lambda fn: compiled(fn, device, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)
 
@@ -254,6 +253,7 @@ class Generator:
         self.batch_cycle = batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
         if compile:
+            quant.pack_linears(target, head, draft_model)
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, self.device, dynamic=True)
             self.decode_one = compiled(decode_one, self.device, mode=mode)

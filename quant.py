@@ -6,6 +6,8 @@
 #   int4  weight uint8 [out, in_padded/2], two codes per byte with the even column in the high nibble, and one
 #         scale and zero per group of input columns: w = (q - 8) * scale + zero
 # Kernel layouts (tinygemm on CUDA, the CPU int4 kernel's) are built from it whenever the layer is moved or cast.
+import functools
+
 import torch
 import torch.nn as nn
 import torch.nn.functional as F
@@ -178,6 +180,62 @@ class QuantLinear(nn.Module):
             return F.linear(x, self.dequantize(x.dtype), self.bias)
         y = self.weight_only_mm(x.reshape(rows, self.in_features)).view(*x.shape[:-1], self.out_features)
         return y if self.bias is None else y + self.bias
+
+
+# ---------------------------------------------------------------- float weights prepacked for a CPU
+
+class PackedLinear(nn.Linear):
+    """nn.Linear whose CPU forward reads its weight prepacked in oneDNN's blocked layout, packed once here. An
+    unpacked bf16 weight costs oneDNN a reorder at every call: 1.5-2x the packed time at 1 to 16 rows (2-core AMD
+    EPYC). Inductor's freezing packs too, but as constants of each graph, which its FX graph cache cannot store
+    (a second process compiled everything again) and which every graph copies; a packed buffer is an ordinary
+    graph input, one copy for every graph (eaglet.compiled lowers the op to a plain call)."""
+
+    def __init__(self, linear: nn.Linear):
+        nn.Module.__init__(self)
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.weight, self.bias = linear.weight, linear.bias  # kept: loaders, converters and non-CPU devices read it
+        self.register_buffer("packed", None, persistent=False)
+        self.register_load_state_dict_post_hook(lambda module, _: module.pack())  # new weights, new packed copy
+        self.pack()
+
+    def pack(self):
+        cpu = self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16)
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) if cpu else None
+
+    def _apply(self, fn, recurse=True):
+        self.packed = None  # an opaque oneDNN tensor neither moves nor casts: pack the moved weight again
+        super()._apply(fn, recurse)
+        self.pack()
+        return self
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None or x.dtype != self.weight.dtype:
+            return super().forward(x)
+        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
+
+
+def pack_linears(*models):
+    """Every float nn.Linear of the CPU models given (None: skipped) in place as a PackedLinear, where this build
+    has oneDNN. The CPU's compiled steps read them so; other devices stay as they are."""
+    lower_packed_linear_as_a_call()
+    for model in models:
+        if model is not None and next(model.parameters()).device.type == "cpu" and torch.backends.mkldnn.is_available():
+            replace_linears(model, lambda linear: linear if isinstance(linear, PackedLinear) else PackedLinear(linear))
+
+
+@functools.cache
+def lower_packed_linear_as_a_call():
+    """Inductor lowers oneDNN's packed linear only for a weight it packed itself (a frozen constant; it asserts
+    so); PackedLinear's is a graph input, so the op becomes a plain call of the same kernel. Its post-grad pass
+    fuses a following add into the op's `.binary` overload, which has no shape function: one is given here."""
+    import torch._inductor.lowering as lowering
+    import torch._inductor.mkldnn_lowerings  # noqa: F401  (registers the lowerings replaced here)
+
+    torch.library.register_fake("mkldnn::_linear_pointwise.binary")(lambda x, other, w, b, attr: torch.empty_like(other))
+    for op in (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary):
+        lowering.lowerings.pop(op, None)
+        lowering.make_fallback(op)
 
 
 # ---------------------------------------------------------------- models

@@ -1,7 +1,7 @@
 # torch.compile wiring: compiled steps give the eager tokens and never recompile once warm. On a GPU
 # the decode step and the cycle are CUDA graphs (mode reduce-overhead); on a CPU Inductor's C++ code with the
-# settings of eaglet.CPU_INDUCTOR (freezing, cpp_wrapper): the fp32 equality below is what proves that
-# freezing folds only the weights, never a buffer a step mutates (KV caches, SpecState, the draft's caches).
+# settings of eaglet.CPU_INDUCTOR and the weights prepacked for oneDNN (quant.PackedLinear): the fp32 equality
+# below proves the packed layers compute what nn.Linear does and that the steps keep every buffer they mutate.
 import json
 import os
 import subprocess
@@ -194,12 +194,11 @@ def compiled_files(cache: Path) -> dict:
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
-def test_second_process_reuses_the_compiled_kernels(tmp_path):
-    """A second process with the same model reuses every compiled C++ kernel of the first from disk: each shared
-    object the first built is still there untouched, and the only ones the second adds are cpp_wrapper's
-    per-graph wrappers (`*.main.so`, whose source names this process's frozen constants). Inductor's FX graph
-    cache cannot hold a graph with oneDNN-prepacked weights, so Dynamo and the lowering run again: measured
-    here cold 308.9 s, warm 249.2 s on a loaded machine (BENCHMARKS.md). Timings are printed, not asserted."""
+def test_second_process_reuses_the_compiled_graphs(tmp_path):
+    """A second process with the same model loads every compiled graph from Inductor's FX graph cache (the
+    weights are prepacked graph inputs, not frozen constants the cache cannot store) and builds no C++ at all:
+    every shared object the first built is still there untouched and none is added. Measured on the default
+    model, one thread: cold 288 s, warm 30 s (BENCHMARKS.md). Timings are printed, not asserted."""
     cache = tmp_path / "inductor"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
     script = WARM_START.format(repo=str(REPO), tests=str(REPO / "tests"))
@@ -213,7 +212,6 @@ def test_second_process_reuses_the_compiled_kernels(tmp_path):
     warm = run()
     print(f"cold {cold['seconds']:.1f} s, warm {warm['seconds']:.1f} s")
     assert warm["tokens"] == cold["tokens"]
-    after = compiled_files(cache)
-    kernels = {k: v for k, v in built.items() if not k.endswith(".main.so")}
-    assert len(kernels) >= 3 and all(after[k] == v for k, v in kernels.items())
-    assert all(k.endswith(".main.so") for k in set(after) - set(built))
+    graphs = cold["fxgraph"].get("fxgraph_cache_miss", 0) + cold["fxgraph"].get("fxgraph_cache_hit", 0)
+    assert cold["fxgraph"]["fxgraph_cache_miss"] >= 3 and warm["fxgraph"] == {"fxgraph_cache_hit": graphs}
+    assert len(built) >= 3 and compiled_files(cache) == built

@@ -48,6 +48,28 @@ def test_quant_linear_error_and_row_switch(mode, groupsize):
         torch.testing.assert_close(blocks, dense, rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_packed_linear_follows_its_weight():
+    """quant.PackedLinear computes what nn.Linear does, in fp32 and bf16, and packs again when its weight is cast or
+    loaded: a stale packed copy would answer with the old weights."""
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 256, bias=True)
+    ref = nn.Linear(192, 256, bias=True)
+    ref.load_state_dict(linear.state_dict())
+    packed = quant.PackedLinear(linear)
+    x = torch.randn(1, 9, 192)
+    with torch.no_grad():
+        assert packed.packed is not None
+        torch.testing.assert_close(packed(x), ref(x), rtol=1e-5, atol=1e-5)
+        other = nn.Linear(192, 256, bias=True)
+        packed.load_state_dict(other.state_dict())
+        torch.testing.assert_close(packed(x), other(x), rtol=1e-5, atol=1e-5)
+        packed.to(torch.bfloat16)
+        xb = x.bfloat16()
+        assert packed.packed is not None
+        torch.testing.assert_close(packed(xb), other.to(torch.bfloat16)(xb), rtol=2e-2, atol=2e-2)
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode,groupsize", CASES)
 def test_quant_linear_cuda_bf16(mode, groupsize):
