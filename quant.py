@@ -139,6 +139,10 @@ class QuantLinear(nn.Module):
             self.scales_and_zeros = torch.stack([self.scales.t(), self.zeros.t()], dim=-1).contiguous()
         self.weight_only_mm(torch.zeros(1, self.in_features, device=device, dtype=dtype))
 
+    @staticmethod
+    def repack(module, incompatible_keys):
+        module.pack()
+
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / casts move or cast the stored tensors; the kernel layouts depend on both, so rebuild
         # them (as nn.RNNBase re-flattens its weights here).
@@ -196,18 +200,29 @@ class PackedLinear(nn.Linear):
         self.in_features, self.out_features = linear.in_features, linear.out_features
         self.weight, self.bias = linear.weight, linear.bias  # kept: loaders, converters and non-CPU devices read it
         self.register_buffer("packed", None, persistent=False)
-        self.register_load_state_dict_post_hook(lambda module, _: module.pack())  # new weights, new packed copy
+        self.register_load_state_dict_post_hook(PackedLinear.repack)  # new weights, new packed copy
         self.pack()
 
     def pack(self):
         cpu = self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16)
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) if cpu else None
 
+    @staticmethod
+    def repack(module, incompatible_keys):
+        module.pack()
+
     def _apply(self, fn, recurse=True):
         self.packed = None  # an opaque oneDNN tensor neither moves nor casts: pack the moved weight again
         super()._apply(fn, recurse)
         self.pack()
         return self
+
+    def __getstate__(self):  # deepcopy, pickle: an opaque oneDNN tensor has no storage to copy; the copy packs its own
+        return self.__dict__ | {"_buffers": self._buffers | {"packed": None}}
+
+    def __setstate__(self, state):
+        super().__setstate__(state)
+        self.pack()
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is None or x.dtype != self.weight.dtype:

@@ -1,5 +1,6 @@
 # Weight-only int8 / int4: the layer against nn.Linear and across its row-count switch, quantised checkpoints
 # through the loaders, and speculative greedy output against vanilla on the same quantised model.
+import copy
 import json
 
 import pytest
@@ -51,7 +52,8 @@ def test_quant_linear_error_and_row_switch(mode, groupsize):
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_packed_linear_follows_its_weight():
     """quant.PackedLinear computes what nn.Linear does, in fp32 and bf16, and packs again when its weight is cast or
-    loaded: a stale packed copy would answer with the old weights."""
+    loaded, and in a deep copy (bench.py quantises a copy of a compiled target): a stale packed copy would answer
+    with the old weights, and an opaque oneDNN tensor has no storage to copy."""
     torch.manual_seed(0)
     linear = nn.Linear(192, 256, bias=True)
     ref = nn.Linear(192, 256, bias=True)
@@ -68,6 +70,9 @@ def test_packed_linear_follows_its_weight():
         xb = x.bfloat16()
         assert packed.packed is not None
         torch.testing.assert_close(packed(xb), other.to(torch.bfloat16)(xb), rtol=2e-2, atol=2e-2)
+        twin = copy.deepcopy(packed)
+        assert twin.packed is not None and twin.packed is not packed.packed
+        torch.testing.assert_close(twin(xb), packed(xb), rtol=0, atol=0)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
