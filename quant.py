@@ -204,7 +204,9 @@ class PackedLinear(nn.Linear):
         self.pack()
 
     def pack(self):
-        cpu = self.weight.device.type == "cpu" and self.weight.dtype in (torch.float32, torch.bfloat16)
+        # oneDNN's bf16 kernels need a CPU it supports them on (the check Inductor's own prepacking makes); else nn.Linear
+        dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
+        cpu = self.weight.device.type == "cpu" and self.weight.dtype in dtypes
         self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) if cpu else None
 
     @staticmethod
