@@ -139,10 +139,6 @@ class QuantLinear(nn.Module):
             self.scales_and_zeros = torch.stack([self.scales.t(), self.zeros.t()], dim=-1).contiguous()
         self.weight_only_mm(torch.zeros(1, self.in_features, device=device, dtype=dtype))
 
-    @staticmethod
-    def repack(module, incompatible_keys):
-        module.pack()
-
     def _apply(self, fn, recurse=True):
         # .to() / .cuda() / casts move or cast the stored tensors; the kernel layouts depend on both, so rebuild
         # them (as nn.RNNBase re-flattens its weights here).

@@ -198,7 +198,7 @@ def test_second_process_reuses_the_compiled_graphs(tmp_path):
     """A second process with the same model loads every compiled graph from Inductor's FX graph cache (the
     weights are prepacked graph inputs, not frozen constants the cache cannot store) and builds no C++ at all:
     every shared object the first built is still there untouched and none is added. Measured on the default
-    model, one thread: cold 288 s, warm 30 s (BENCHMARKS.md). Timings are printed, not asserted."""
+    model, one thread: cold 260 s, warm 41 s (BENCHMARKS.md). Timings are printed, not asserted."""
     cache = tmp_path / "inductor"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
     script = WARM_START.format(repo=str(REPO), tests=str(REPO / "tests"))
