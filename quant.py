@@ -189,7 +189,7 @@ class PackedLinear(nn.Linear):
     unpacked bf16 weight costs oneDNN a reorder at every call: 1.5-2x the packed time at 1 to 16 rows (2-core AMD
     EPYC). Inductor's freezing packs too, but as constants of each graph, which its FX graph cache cannot store
     (a second process compiled everything again) and which every graph copies; a packed buffer is an ordinary
-    graph input, one copy for every graph (eaglet.compiled lowers the op to a plain call)."""
+    graph input, one copy for every graph (lower_packed_linear_as_a_call makes the op a plain call)."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)
