@@ -169,11 +169,13 @@ def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, dept
     return logits[0], h[0]
 
 
-def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h):
+def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h, chain: bool = False):
     """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape;
-    rows past accept_len are garbage beyond the new length) and queues their features for the draft."""
+    rows past accept_len are garbage beyond the new length) and queues their features for the draft.
+    A chain's accepted nodes already sit there: no move (60 small copies a cycle for 30 layers)."""
     rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
-    target.move_kv(st.L + path, st.L + rows)
+    if not chain:
+        target.move_kv(st.L + path, st.L + rows)
     nxt = torch.cat([tokens[path[1:]], bonus.view(1)])
     nxt = torch.where(rows == accept_len, bonus, nxt)
     st.pend_feat[: rows.shape[0]].copy_(h[path])
@@ -226,7 +228,7 @@ def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Ten
     else:
         accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(logits), qs)
         path = chain.clamp(max=accept_len)
-    return commit(target, st, spec, tokens, accept_len, path, bonus, h)
+    return commit(target, st, spec, tokens, accept_len, path, bonus, h, chain=True)
 
 
 def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None) -> Tensor:
