@@ -170,9 +170,8 @@ def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, dept
 
 
 def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h, chain: bool = False):
-    """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape;
-    rows past accept_len are garbage beyond the new length) and queues their features for the draft.
-    A chain's accepted nodes already sit there: no move (60 small copies a cycle for 30 layers)."""
+    """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape; rows past
+    accept_len are garbage beyond the new length; a chain's rows are in place, not moved) and queues their features."""
     rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
     if not chain:
         target.move_kv(st.L + path, st.L + rows)
