@@ -276,7 +276,7 @@ def sweep(a) -> dict:
     base, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", **mode_options(a, "eagle2"))
     target, head, margs = base.target, base.head, base.target.args
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
-                                compile_fn=sizing_compile(target, head) if a.compile else None)
+                                compile_fn=sizing_compile(target, head, a.compile) if a.compile else None)
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
@@ -389,7 +389,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compile", action="store_true")
+    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["max"],
+                   help="torch.compile the steps; --compile max: GEMM templates over frozen weights on a CPU (README)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
@@ -404,7 +405,7 @@ def main(argv=None) -> int:
     p.add_argument("--quantize", default=None, metavar="int8,int4",
                    help="also time vanilla on a weight-only quantised copy of the target (with --random-shape: quantise the target)")
     p.add_argument("--peers", default=None, metavar="transformers,llama.cpp",
-                   help="also time HF transformers generate (plain, prompt lookup 10) and llama.cpp (bf16, Q8_0, Q4_1 GGUF) on the same prompts")
+                   help="also time HF transformers generate (plain, prompt lookup 10) and llama.cpp (bf16, Q8_0, Q4_1 GGUF; F32 too when we decode in fp32) on the same prompts")
     p.add_argument("--groupsize", type=int, default=32, help="with --quantize int4")
     p.add_argument("--assume-tau", type=float, default=4.7, help="with --random-shape: tau for the implied tokens/s (EAGLE-2 paper: 4.7)")
     p.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",

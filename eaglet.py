@@ -129,7 +129,7 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
-            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head) if compile else None,
+            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head, compile) if compile else None,
                                               lookup=lookup_slots)
         except ValueError as e:
             raise UsageError(str(e)) from None
@@ -192,22 +192,29 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
 # Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
 # on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
 # answer to CUDA graphs). The weights come prepacked for oneDNN (quant.PackedLinear), not frozen: Inductor's FX graph
-# cache stores no frozen graph. max_autotune (CPP GEMM templates) measured slower at one row: off.
-CPU_INDUCTOR = {"cpp_wrapper": True}
+# cache stores no frozen graph. max_autotune (CPP GEMM templates) measured slower at one row there: off by default.
+CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
+# --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. On a 2-core
+# AMD EPYC without AVX-512 (Zen 3) oneDNN's one-row fp32 linears stream 10 GB/s of a 24 GB/s DRAM and the templates
+# 17.7: the fp32 decode step 48.7 -> 29.2 ms (BENCHMARKS.md). The cost: the weights are graph constants, which the
+# FX graph cache does not store, so every process compiles again (minutes; the C++ kernels are reused from disk).
+CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
 CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
 
 
-def compiled(fn, device=None, **kw):
-    """torch.compile(fullgraph) with this device's Inductor settings. Compiled artefacts persist in Inductor's
-    on-disk caches (FX graph and kernel caches), so a second process with the same model warms up faster."""
+def compiled(fn, device=None, templates: bool = False, **kw):
+    """torch.compile(fullgraph) with this device's Inductor settings (templates: CPU_INDUCTOR_MAX's). Compiled
+    artefacts persist in Inductor's on-disk caches (FX graph and kernel caches), so a second process with the same
+    model warms up faster."""
     torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # skip unchanged modules' guards: 0.74 -> 0.29 ms a call
     torch._dynamo.config.capture_scalar_outputs = True  # model.live_width's .item() stays in the graph
     if device is not None:
         import torch._inductor.config as inductor_config
 
         # Global, not options=: every graph of the process shares them.
-        for key, value in (CPU_INDUCTOR if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
+        cpu = CPU_INDUCTOR_MAX if templates else CPU_INDUCTOR
+        for key, value in (cpu if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
             setattr(inductor_config, key, value)
     # Dynamo keeps its cache and recompile budget (8 variants) per code object: each Generator's copy of a step has
     # its own, so many tree shapes in one process never share one budget. Its automatic dynamic shapes go by source
@@ -216,12 +223,21 @@ def compiled(fn, device=None, **kw):
     return torch.compile(own, fullgraph=True, **{"dynamic": False} | kw)
 
 
-def sizing_compile(target: Transformer, head=None):
-    """How sizing.py compiles the passes it times: as the Generator compiles its steps (weights packed), with the
-    number of rows dynamic so one graph serves every tree size."""
-    quant.pack_linears(target, head)
+def uses_templates(compile, device) -> bool:
+    """--compile max on a CPU: GEMM templates over frozen weights (CPU_INDUCTOR_MAX) instead of prepacked ones."""
+    return compile == "max" and torch.device(device).type == "cpu"
+
+
+def sizing_compile(target: Transformer, head=None, compile=True):
+    """How sizing.py compiles the passes it times: as the Generator compiles its steps (weights packed, or frozen
+    under --compile max), with the number of rows dynamic so one graph serves every tree size."""
     device = target.tok_embeddings.weight.device
-    return lambda fn: compiled(fn, device, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)
+    templates = uses_templates(compile, device)
+    if not templates:
+        quant.pack_linears(target, head)
+    compile_fn = lambda fn: compiled(fn, device, templates, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)  # noqa: E731
+    compile_fn.compile = compile  # part of sizing's cache key: --compile max's costs are its own
+    return compile_fn
 
 
 # ---------------------------------------------------------------- generation
@@ -252,15 +268,17 @@ class Generator:
         self.rows = None
         self.batch_cycle = batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
-        if compile:
-            quant.pack_linears(target, head, draft_model)
+        if compile:  # True, or "max" (uses_templates)
+            templates = uses_templates(compile, self.device)
+            if not templates:
+                quant.pack_linears(target, head, draft_model)
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
-            self.prefill = compiled(prefill, self.device, dynamic=True)
-            self.decode_one = compiled(decode_one, self.device, mode=mode)
+            self.prefill = compiled(prefill, self.device, templates, dynamic=True)
+            self.decode_one = compiled(decode_one, self.device, templates, mode=mode)
             if spec:
-                self.cycle, self.batch_cycle = (compiled(f, self.device, mode=mode) for f in (self.cycle, self.batch_cycle))
-                self.plain_cycle = compiled(lookup_step, self.device, mode=mode) if spec.mode == "lookup" else lookup_step
-            self.batch_step = compiled(self.batch_step, self.device, mode=mode)
+                self.cycle, self.batch_cycle = (compiled(f, self.device, templates, mode=mode) for f in (self.cycle, self.batch_cycle))
+                self.plain_cycle = compiled(lookup_step, self.device, templates, mode=mode) if spec.mode == "lookup" else lookup_step
+            self.batch_step = compiled(self.batch_step, self.device, templates, mode=mode)
 
     def reserve(self, max_len: int) -> bool:
         """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit. -> True when the

@@ -16,7 +16,7 @@ import torch
 from model import ModelArgs, load_state
 
 PEERS = ("transformers", "llama.cpp")
-LLAMA_CPP_TYPES = ("bf16", "q8_0", "q4_1")  # q4_1: the shipped GGUF itself
+LLAMA_CPP_TYPES = ("bf16", "q8_0", "q4_1")  # q4_1: the shipped GGUF itself; f32 joins them when we decode in fp32
 
 
 class PeerUnavailable(Exception):
@@ -111,26 +111,26 @@ def gguf_source(checkpoint: Path) -> Path:
 
 
 def write_gguf(checkpoint: Path, out: Path, qtype: str) -> Path:
-    """Our float weights as a GGUF of qtype (bf16 or q8_0), metadata copied from the source GGUF. q/k rows stay as
+    """Our float weights as a GGUF of qtype (f32, bf16 or q8_0), metadata copied from the source GGUF. q/k rows stay as
     they are: llama.cpp stores them in the interleaved layout we use."""
     import gguf
     import numpy as np
 
     source = gguf.GGUFReader(gguf_source(checkpoint))
     args, state = float_state(checkpoint)
-    kind = {"bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+    kind = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
     writer = gguf.GGUFWriter(str(out), "llama")
     for key, field in source.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type", "general.quantization_version"):
             continue
         sub = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(key, field.contents(), field.types[0], sub)
-    writer.add_file_type({"bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(name, w: torch.Tensor, matrix: bool):
         a = w.numpy().astype(np.float32)
-        if not matrix:  # norms stay fp32, as llama.cpp's converter writes them
+        if not matrix or qtype == "f32":  # norms stay fp32, as llama.cpp's converter writes them
             writer.add_tensor(name, a)
             return
         writer.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)  # bytes; the writer derives the shape
@@ -189,7 +189,7 @@ def peer_runners(checkpoint: Path, names: list, dtype, n_ctx: int, log=lambda s:
         except PeerUnavailable as e:
             log(f"note: skipping transformers: {e}")
     if "llama.cpp" in names:
-        for qtype in LLAMA_CPP_TYPES:
+        for qtype in ("f32",) * (dtype == torch.float32) + LLAMA_CPP_TYPES:
             try:
                 llm = llama_cpp_model(checkpoint, qtype, n_ctx, threads)
                 runners[f"llama.cpp {qtype}"] = lambda p, n, s, llm=llm: llama_cpp_generate(llm, p, n, s)

@@ -157,7 +157,7 @@ def cache_key(target, head, compiled: bool = False) -> str:
     return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
             f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
             f"|costs {COSTS_VERSION}"
-            + ("|compiled" if compiled else ""))
+            + ("|compiled" if compiled else "") + (" max" if compiled == "max" else ""))
 
 
 CACHE = "tree_sizes.json"
@@ -167,7 +167,7 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
     """The cached cost entry for this device, model, draft and way of running the steps (eager or
     compiled: measure_costs), measured now (seconds; a minute when compiling) if there is none.
     Under tensor parallelism every rank measures together and rank 0's entry counts."""
-    key = cache_key(target, head, compile_fn is not None)
+    key = cache_key(target, head, getattr(compile_fn, "compile", compile_fn is not None))
     entry = tp.from_rank0(cache.read(CACHE).get(key))
     if entry is None:
         if tp.rank() == 0:

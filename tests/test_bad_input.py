@@ -141,6 +141,12 @@ def test_bench_refuses_an_unknown_mode(dirs):
     assert_one_line_exit_2(run("bench.py", "--checkpoint", root / "ckpt", "--modes", "none,medusa"), "unknown --speculate mode 'medusa'")
 
 
+def test_an_unknown_compile_setting(dirs):
+    root, _ = dirs
+    for script in ("generate.py", "bench.py"):
+        assert_one_line_exit_2(run(script, "--checkpoint", root / "ckpt", "--compile", "fast"), "invalid choice: 'fast' (choose from 'max')")
+
+
 def test_bench_runs_on_the_shipped_mt_bench_questions(dirs):
     root, _ = dirs
     r = run("bench.py", "--checkpoint", root / "ckpt", "--modes", "none", "--num-prompts", "2", "--max-new-tokens", "4")

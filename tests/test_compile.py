@@ -215,3 +215,40 @@ def test_second_process_reuses_the_compiled_graphs(tmp_path):
     graphs = cold["fxgraph"].get("fxgraph_cache_miss", 0) + cold["fxgraph"].get("fxgraph_cache_hit", 0)
     assert cold["fxgraph"]["fxgraph_cache_miss"] >= 3 and warm["fxgraph"] == {"fxgraph_cache_hit": graphs}
     assert len(built) >= 3 and compiled_files(cache) == built
+
+
+COMPILE_MAX = """
+import json, sys
+sys.path[:0] = [{repo!r}, {tests!r}]
+import torch
+from conftest import _random_head, _random_model, _tiny_args
+from eaglet import Generator
+from sampling import Sampling
+from speculate import TreeSpec
+
+torch.set_num_threads(1)
+args = _tiny_args(dim=128, intermediate_size=256)
+target, head = _random_model(args, 0), _random_head(args, 1)
+out = []
+for spec in (None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)):
+    h = head if spec else None
+    eager, compiled = Generator(target, spec, h), Generator(target, spec, h, compile="max")
+    for prompt in (list(range(3, 12)), list(range(40, 3, -3))):
+        out.append([compiled.generate(prompt, 16, Sampling()).token_ids, eager.generate(prompt, 16, Sampling()).token_ids])
+print(json.dumps(out))
+"""
+
+
+@pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
+def test_compile_max_runs_gemm_templates_and_matches_eager(tmp_path):
+    """--compile max (eaglet.CPU_INDUCTOR_MAX: frozen weights, Inductor's C++ GEMM templates): fp32 greedy tokens
+    equal eager decoding for vanilla and an eagle2 cycle with lookup slots, and the compiled code holds template
+    micro-kernels (a silent fall-back to oneDNN's linears would fail). Its own process: the settings are global."""
+    cache = tmp_path / "inductor"
+    env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
+    script = COMPILE_MAX.format(repo=str(REPO), tests=str(REPO / "tests"))
+    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
+    assert r.returncode == 0, r.stderr[-3000:]
+    for compiled, eager in json.loads(r.stdout.strip().splitlines()[-1]):
+        assert compiled == eager and len(eager) == 16
+    assert any("micro_gemm" in f.read_text(errors="ignore") for f in cache.rglob("*") if f.suffix in (".cpp", ".py", ".h"))
