@@ -18,8 +18,9 @@ import quant
 import sizing
 import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint
+from compiling import sizing_compile
 from draft import EagleHead
-from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill, sizing_compile
+from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill
 from model import ModelArgs, Transformer, find_multiple
 from prompts import MT_BENCH, load_conversations
 from speculate import CHAINS, TreeSpec

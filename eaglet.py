@@ -4,7 +4,6 @@
 import functools
 import sys
 import time
-import types
 import weakref
 from dataclasses import dataclass
 from pathlib import Path
@@ -15,10 +14,10 @@ from torch import Tensor
 
 import batch
 import dtypes
-import quant
 import sizing
 import tp
 from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
+from compiling import compiled, prepare, sizing_compile
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
@@ -187,59 +186,6 @@ def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
                 accept_rate_per_depth=[round(reached[d] / reached[d - 1], 4) if reached[d - 1] else 0.0 for d in range(1, len(hist))])
 
 
-# ---------------------------------------------------------------- compiling
-
-# Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
-# on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
-# answer to CUDA graphs). The weights come prepacked for oneDNN (quant.PackedLinear), not frozen: Inductor's FX graph
-# cache stores no frozen graph. max_autotune (CPP GEMM templates) measured slower at one row there: off by default.
-CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
-# --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. On a 2-core
-# AMD EPYC without AVX-512 (Zen 3) oneDNN's one-row fp32 linears stream 10 GB/s of a 24 GB/s DRAM and the templates
-# 17.7: the fp32 decode step 48.7 -> 29.2 ms (BENCHMARKS.md). The cost: the weights are graph constants, which the
-# FX graph cache does not store, so every process compiles again (minutes; the C++ kernels are reused from disk).
-CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-# CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
-CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
-
-
-def compiled(fn, device=None, templates: bool = False, **kw):
-    """torch.compile(fullgraph) with this device's Inductor settings (templates: CPU_INDUCTOR_MAX's). Compiled
-    artefacts persist in Inductor's on-disk caches (FX graph and kernel caches), so a second process with the same
-    model warms up faster."""
-    torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # skip unchanged modules' guards: 0.74 -> 0.29 ms a call
-    torch._dynamo.config.capture_scalar_outputs = True  # model.live_width's .item() stays in the graph
-    if device is not None:
-        import torch._inductor.config as inductor_config
-
-        # Global, not options=: every graph of the process shares them.
-        cpu = CPU_INDUCTOR_MAX if templates else CPU_INDUCTOR
-        for key, value in (cpu if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
-            setattr(inductor_config, key, value)
-    # Dynamo keeps its cache and recompile budget (8 variants) per code object: each Generator's copy of a step has
-    # its own, so many tree shapes in one process never share one budget. Its automatic dynamic shapes go by source
-    # location instead, so shapes are static unless asked: a second tree would trace symbolic (SDPA, slow kernels).
-    own = types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
-    return torch.compile(own, fullgraph=True, **{"dynamic": False} | kw)
-
-
-def uses_templates(compile, device) -> bool:
-    """--compile max on a CPU: GEMM templates over frozen weights (CPU_INDUCTOR_MAX) instead of prepacked ones."""
-    return compile == "max" and torch.device(device).type == "cpu"
-
-
-def sizing_compile(target: Transformer, head=None, compile=True):
-    """How sizing.py compiles the passes it times: as the Generator compiles its steps (weights packed, or frozen
-    under --compile max), with the number of rows dynamic so one graph serves every tree size."""
-    device = target.tok_embeddings.weight.device
-    templates = uses_templates(compile, device)
-    if not templates:
-        quant.pack_linears(target, head)
-    compile_fn = lambda fn: compiled(fn, device, templates, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)  # noqa: E731
-    compile_fn.compile = compile  # part of sizing's cache key: --compile max's costs are its own
-    return compile_fn
-
-
 # ---------------------------------------------------------------- generation
 
 class Generator:
@@ -268,10 +214,8 @@ class Generator:
         self.rows = None
         self.batch_cycle = batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
-        if compile:  # True, or "max" (uses_templates)
-            templates = uses_templates(compile, self.device)
-            if not templates:
-                quant.pack_linears(target, head, draft_model)
+        if compile:  # True, or "max" (compiling.prepare)
+            templates = prepare(compile, self.device, target, head, draft_model)
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, self.device, templates, dynamic=True)
             self.decode_one = compiled(decode_one, self.device, templates, mode=mode)

@@ -1,6 +1,6 @@
 # torch.compile wiring: compiled steps give the eager tokens and never recompile once warm. On a GPU
 # the decode step and the cycle are CUDA graphs (mode reduce-overhead); on a CPU Inductor's C++ code with the
-# settings of eaglet.CPU_INDUCTOR and the weights prepacked for oneDNN (quant.PackedLinear): the fp32 equality
+# settings of compiling.CPU_INDUCTOR and the weights prepacked for oneDNN (quant.PackedLinear): the fp32 equality
 # below proves the packed layers compute what nn.Linear does and that the steps keep every buffer they mutate.
 import json
 import os
@@ -13,7 +13,7 @@ import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
 
-import eaglet
+import compiling
 import spectree
 from eaglet import Generator
 from sampling import Sampling
@@ -61,7 +61,7 @@ def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, ran
     eager = Generator(target, spec, **kw)
     compiled = Generator(target, spec, **kw, compile=True)
     if device == "cpu":
-        assert all(getattr(inductor_config, k) == v for k, v in eaglet.CPU_INDUCTOR.items())
+        assert all(getattr(inductor_config, k) == v for k, v in compiling.CPU_INDUCTOR.items())
     torch._dynamo.reset()
     first, *rest = prompts([7, 13, 29])
     assert compiled.generate(first, 24, Sampling()).token_ids == eager.generate(first, 24, Sampling()).token_ids
@@ -135,7 +135,7 @@ def test_a_second_tree_shape_compiles_static(tiny_args, random_model, random_hea
 
 @pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8)], ids=["none", "eagle2"])
 def test_guards_still_pick_each_samplings_own_graph(tiny_args, random_model, random_head, single_thread, monkeypatch, spec):
-    # Guards skip modules whose dicts are unchanged (eaglet.compiled). Greedy and sampled steps are different
+    # Guards skip modules whose dicts are unchanged (compiling.compiled). Greedy and sampled steps are different
     # graphs of one step: each answer must still run its own.
     recording_backend(monkeypatch)
     args = tiny_args()
@@ -241,7 +241,7 @@ print(json.dumps(out))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
 def test_compile_max_runs_gemm_templates_and_matches_eager(tmp_path):
-    """--compile max (eaglet.CPU_INDUCTOR_MAX: frozen weights, Inductor's C++ GEMM templates): fp32 greedy tokens
+    """--compile max (compiling.CPU_INDUCTOR_MAX: frozen weights, Inductor's C++ GEMM templates): fp32 greedy tokens
     equal eager decoding for vanilla and an eagle2 cycle with lookup slots, and the compiled code holds template
     micro-kernels (a silent fall-back to oneDNN's linears would fail). Its own process: the settings are global."""
     cache = tmp_path / "inductor"

@@ -4,7 +4,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-import eaglet
+import compiling
 from model import attend_few, causal_mask, eagle3_taps, live_width
 
 
@@ -54,7 +54,7 @@ def test_a_cpu_pass_reads_only_the_live_part_of_the_cache(tiny_args, random_mode
     def run(x, pos):
         return model(x, pos, pos, causal_mask(pos, 64))[0]
 
-    step = eaglet.compiled(run, "cpu") if compiled else run
+    step = compiling.compiled(run, "cpu") if compiled else run
     outputs = []
     with torch.inference_mode():
         for fill, passes in ((0.0, run), (float("nan"), step)):

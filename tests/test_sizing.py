@@ -82,7 +82,7 @@ def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tin
 def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tiny_args, random_model, random_head):
     # Under --compile the timed passes go through the generator's own compile (dynamic rows: one graph per
     # pass for every tree size), and the entry is cached apart from the eager one.
-    import eaglet
+    import compiling
 
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
@@ -90,7 +90,7 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
 
     def compile_fn(fn):
         compiled_fns.append(fn.__name__)
-        return eaglet.sizing_compile(target)(fn)
+        return compiling.sizing_compile(target)(fn)
 
     torch._dynamo.reset()
     tree = sizing.measure_tree(target, head, compile_fn=compile_fn)
