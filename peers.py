@@ -130,7 +130,7 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str) -> Path:
 
     def add(name, w: torch.Tensor, matrix: bool):
         a = w.numpy().astype(np.float32)
-        if not matrix or qtype == "f32":  # norms stay fp32, as llama.cpp's converter writes them
+        if not matrix or qtype == "f32":  # norms stay fp32, as llama.cpp's converter writes them (f32: everything)
             writer.add_tensor(name, a)
             return
         writer.add_tensor(name, gguf.quants.quantize(a, kind), raw_dtype=kind)  # bytes; the writer derives the shape

@@ -150,7 +150,8 @@ def device_name(device) -> str:
 COSTS_VERSION = 2
 
 
-def cache_key(target, head, compiled: bool = False) -> str:
+def cache_key(target, head, compiled=False) -> str:
+    """compiled: False (eager), True or "max" (--compile max's costs are their own)."""
     name = device_name(target.tok_embeddings.weight.device)
     a = target.args
     quant = getattr(target.layers[0].feed_forward.w13, "mode", "float")
@@ -178,7 +179,7 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
     return entry
 
 
-def record_sweep(target, head, best: tuple, compiled: bool = False):
+def record_sweep(target, head, best: tuple, compiled=False):
     """bench.py --sweep's measured winner, which then replaces the cost model's choice."""
     key = cache_key(target, head, compiled)
     cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {"swept": list(best)})
