@@ -118,14 +118,16 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str) -> Path:
 
     source = gguf.GGUFReader(gguf_source(checkpoint))
     args, state = float_state(checkpoint)
-    kind = {"f32": gguf.GGMLQuantizationType.F32, "bf16": gguf.GGMLQuantizationType.BF16, "q8_0": gguf.GGMLQuantizationType.Q8_0}[qtype]
+    kind, file_type = {"f32": (gguf.GGMLQuantizationType.F32, gguf.LlamaFileType.ALL_F32),
+                       "bf16": (gguf.GGMLQuantizationType.BF16, gguf.LlamaFileType.MOSTLY_BF16),
+                       "q8_0": (gguf.GGMLQuantizationType.Q8_0, gguf.LlamaFileType.MOSTLY_Q8_0)}[qtype]
     writer = gguf.GGUFWriter(str(out), "llama")
     for key, field in source.fields.items():
         if key.startswith("GGUF.") or key in ("general.architecture", "general.file_type", "general.quantization_version"):
             continue
         sub = field.types[1] if len(field.types) > 1 else None
         writer.add_key_value(key, field.contents(), field.types[0], sub)
-    writer.add_file_type({"f32": gguf.LlamaFileType.ALL_F32, "bf16": gguf.LlamaFileType.MOSTLY_BF16, "q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}[qtype])
+    writer.add_file_type(file_type)
     writer.add_quantization_version(gguf.GGML_QUANT_VERSION)
 
     def add(name, w: torch.Tensor, matrix: bool):
