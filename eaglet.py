@@ -215,14 +215,14 @@ class Generator:
         self.batch_cycle = batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
         if compile:  # True, or "max" (compiling.prepare)
-            templates = prepare(compile, self.device, target, head, draft_model)
+            frozen = prepare(compile, self.device, target, head, draft_model)
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
-            self.prefill = compiled(prefill, self.device, templates, dynamic=True)
-            self.decode_one = compiled(decode_one, self.device, templates, mode=mode)
+            self.prefill = compiled(prefill, self.device, frozen, dynamic=True)
+            self.decode_one = compiled(decode_one, self.device, frozen, mode=mode)
             if spec:
-                self.cycle, self.batch_cycle = (compiled(f, self.device, templates, mode=mode) for f in (self.cycle, self.batch_cycle))
-                self.plain_cycle = compiled(lookup_step, self.device, templates, mode=mode) if spec.mode == "lookup" else lookup_step
-            self.batch_step = compiled(self.batch_step, self.device, templates, mode=mode)
+                self.cycle, self.batch_cycle = (compiled(f, self.device, frozen, mode=mode) for f in (self.cycle, self.batch_cycle))
+                self.plain_cycle = compiled(lookup_step, self.device, frozen, mode=mode) if spec.mode == "lookup" else lookup_step
+            self.batch_step = compiled(self.batch_step, self.device, frozen, mode=mode)
 
     def reserve(self, max_len: int) -> bool:
         """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit. -> True when the

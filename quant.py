@@ -187,9 +187,9 @@ class QuantLinear(nn.Module):
 class PackedLinear(nn.Linear):
     """nn.Linear whose CPU forward reads its weight prepacked in oneDNN's blocked layout, packed once here. An
     unpacked bf16 weight costs oneDNN a reorder at every call: 1.5-2x the packed time at 1 to 16 rows (2-core AMD
-    EPYC). Inductor's freezing packs too, but as constants of each graph, which its FX graph cache cannot store
-    (a second process compiled everything again) and which every graph copies; a packed buffer is an ordinary
-    graph input, one copy for every graph (lower_packed_linear_as_a_call makes the op a plain call)."""
+    EPYC). Inductor's freezing packs too, but as constants of each graph, which every graph copies and its FX graph
+    cache refuses as it comes (compiling.cache_frozen_graphs lets it store them, for --compile max); a packed buffer
+    is an ordinary graph input, one copy for every graph (lower_packed_linear_as_a_call makes the op a plain call)."""
 
     def __init__(self, linear: nn.Linear):
         nn.Module.__init__(self)

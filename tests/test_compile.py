@@ -221,34 +221,52 @@ COMPILE_MAX = """
 import json, sys
 sys.path[:0] = [{repo!r}, {tests!r}]
 import torch
+from torch._dynamo.utils import counters
 from conftest import _random_head, _random_model, _tiny_args
 from eaglet import Generator
 from sampling import Sampling
 from speculate import TreeSpec
 
 torch.set_num_threads(1)
+seed, specs = int(sys.argv[1]), sys.argv[2].split(",")
 args = _tiny_args(dim=128, intermediate_size=256)
-target, head = _random_model(args, 0), _random_head(args, 1)
+target, head = _random_model(args, seed), _random_head(args, seed + 1)
 out = []
-for spec in (None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)):
+for spec in [dict(none=None, eagle2=TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3))[s] for s in specs]:
     h = head if spec else None
     eager, compiled = Generator(target, spec, h), Generator(target, spec, h, compile="max")
     for prompt in (list(range(3, 12)), list(range(40, 3, -3))):
         out.append([compiled.generate(prompt, 16, Sampling()).token_ids, eager.generate(prompt, 16, Sampling()).token_ids])
-print(json.dumps(out))
+fxgraph = {{k: v for k, v in counters["inductor"].items() if k.startswith("fxgraph")}}
+print(json.dumps({{"tokens": out, "fxgraph": fxgraph}}))
 """
 
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
-def test_compile_max_runs_gemm_templates_and_matches_eager(tmp_path):
+def test_compile_max_runs_gemm_templates_matches_eager_and_is_cached_by_weights(tmp_path):
     """--compile max (compiling.CPU_INDUCTOR_MAX: frozen weights, Inductor's C++ GEMM templates): fp32 greedy tokens
     equal eager decoding for vanilla and an eagle2 cycle with lookup slots, and the compiled code holds template
-    micro-kernels (a silent fall-back to oneDNN's linears would fail). Its own process: the settings are global."""
+    micro-kernels (a silent fall-back to oneDNN's linears would fail). A second process loads every graph from the
+    FX graph cache; a model of the same shapes with other weights compiles its own (a hit would decode with the
+    first model's repacked weights, and its tokens would differ from its eager ones). Own processes: the settings
+    are global."""
     cache = tmp_path / "inductor"
     env = dict(os.environ, TORCHINDUCTOR_CACHE_DIR=str(cache))
     script = COMPILE_MAX.format(repo=str(REPO), tests=str(REPO / "tests"))
-    r = subprocess.run([sys.executable, "-c", script], env=env, capture_output=True, text=True)
-    assert r.returncode == 0, r.stderr[-3000:]
-    for compiled, eager in json.loads(r.stdout.strip().splitlines()[-1]):
-        assert compiled == eager and len(eager) == 16
+
+    def run(seed, specs):
+        r = subprocess.run([sys.executable, "-c", script, str(seed), specs], env=env, capture_output=True, text=True)
+        assert r.returncode == 0, r.stderr[-3000:]
+        out = json.loads(r.stdout.strip().splitlines()[-1])
+        for compiled, eager in out["tokens"]:
+            assert compiled == eager and len(eager) == 16
+        return out
+
+    cold = run(0, "none,eagle2")
     assert any("micro_gemm" in f.read_text(errors="ignore") for f in cache.rglob("*") if f.suffix in (".cpp", ".py", ".h"))
+    graphs = cold["fxgraph"].get("fxgraph_cache_miss", 0)
+    assert graphs >= 3 and cold["fxgraph"] == {"fxgraph_cache_miss": graphs}
+    warm = run(0, "none,eagle2")
+    assert warm["fxgraph"] == {"fxgraph_cache_hit": graphs} and warm["tokens"] == cold["tokens"]
+    other = run(2, "none")
+    assert other["fxgraph"].get("fxgraph_cache_miss", 0) >= 2 and "fxgraph_cache_hit" not in other["fxgraph"]
