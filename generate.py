@@ -34,7 +34,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", nargs="?", const=True, default=False, choices=["max"],
                    help="torch.compile the steps (CUDA graphs on a GPU; weights prepacked for oneDNN and Inductor's C++ wrapper on "
                         "a CPU); --compile max on a CPU: Inductor's GEMM templates over frozen weights, faster where oneDNN's "
-                        "GEMV is slow, compiled afresh in every process")
+                        "GEMV is slow, minutes more to compile the first time")
     p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
