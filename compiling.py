@@ -33,7 +33,7 @@ def compiled(fn, device=None, frozen=None, **kw):
     if device is not None:
         import torch._inductor.config as inductor_config
 
-        # Global, not options=: every graph of the process shares them.
+        # Global: every graph of the process shares them (options= below carries only a Generator's weight key).
         cpu = CPU_INDUCTOR_MAX if frozen else CPU_INDUCTOR
         for key, value in (cpu if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
             setattr(inductor_config, key, value)
@@ -67,7 +67,7 @@ class FrozenWeights(CustomGraphPass):
         for model in filter(None, models):
             caches = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
             for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-                if id(t) not in caches and t is not None:
+                if id(t) not in caches:
                     h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
                     h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
         self.digest = h.hexdigest()
