@@ -7,6 +7,7 @@ import pytest
 import torch
 import torch.nn as nn
 from safetensors.torch import save_file
+from torch._inductor.utils import run_and_get_code
 
 import quant
 import quantize
@@ -47,6 +48,24 @@ def test_quant_linear_error_and_row_switch(mode, groupsize):
         blocks = torch.cat([q(x[:, i:i + KERNEL_MAX_ROWS]) for i in range(0, 64, KERNEL_MAX_ROWS)], dim=1)
         torch.testing.assert_close(small, dense, rtol=1e-5, atol=1e-5)
         torch.testing.assert_close(blocks, dense, rtol=1e-5, atol=1e-5)
+
+
+def test_compiled_int8_cpu_layer_reads_int8_words():
+    """Compiled on a CPU with fp32 activations, an int8 layer runs quant.int8_rows_mm (bytes taken out of
+    block_int8's words by shifts; not the pack kernel) and computes the dequantised weight's product at each row
+    count up to KERNEL_MAX_ROWS, chunks included; a shape block_int8 cannot tile keeps the pack kernel."""
+    torch.manual_seed(0)
+    for out_features, blocked in ((256, True), (100, False)):
+        q = QuantLinear.from_linear(nn.Linear(192, out_features, bias=True), "int8")
+        assert (q.blocked is not None) == blocked
+        w = q.weight.double() * q.scales.double()[:, None]
+        step = torch.compile(q, dynamic=False)
+        with torch.inference_mode():
+            for rows in (1, 5, 13) if blocked else (3,):
+                x = torch.randn(rows, 192)
+                y, code = run_and_get_code(step, x)
+                assert ("int8pack" not in "".join(code)) == blocked
+                torch.testing.assert_close(y.double(), x.double() @ w.t() + q.bias.double(), rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
