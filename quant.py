@@ -22,8 +22,8 @@ GROUPSIZES = (32, 64, 128)
 # once and running a dense tensor-core GEMM: gpt-fast's int4 layer took 7.8x its one-row time at 64 rows, and
 # its int8 layer 170x, where a bf16 GEMM took 1.2x. A tree verify has about 60 rows, a draft step 1 to topk.
 KERNEL_MAX_ROWS = 16
-# Rows one compiled int8 CPU kernel (int8_rows_mm) serves at once: each row adds an accumulator per weight word.
-INT8_ROWS_CHUNK = 8
+# Rows one compiled CPU kernel of int8_rows_mm / int4_rows_mm serves at once: each row adds accumulators.
+ROWS_CHUNK = 8
 
 
 # ---------------------------------------------------------------- quantising tensors
@@ -54,31 +54,54 @@ def unpack_int4(packed: Tensor) -> Tensor:
     return torch.stack([packed >> 4, packed & 15], dim=-1).flatten(1)
 
 
-def block_int8(q: Tensor) -> Tensor:
-    """int8 [out, in] -> [out/8, in/4, 8] 32-bit words typed fp32, for int8_rows_mm: word (b, c, i) holds input columns
-    4c..4c+3 of output 8b+i, byte j = column 4c+j (little endian). Typed fp32 because Inductor's AVX2 code loads an
-    int32 vector through a stack copy (a store-forwarding stall every 32 weights: 3x slower); a float load is direct."""
-    out_features, in_features = q.shape
-    return q.view(torch.int32).view(out_features // 8, 8, in_features // 4).transpose(1, 2).contiguous().view(torch.float32)
+def block_words(codes: Tensor) -> Tensor:
+    """int8 or uint8 codes [out, bytes] -> [out/8, bytes/4, 8] 32-bit words typed fp32, for the *_rows_mm kernels:
+    word (b, c, i) holds bytes 4c..4c+3 of output 8b+i, byte j in bits 8j..8j+7 (little endian). Typed fp32 because
+    Inductor's AVX2 code loads an int32 vector through a stack copy (a store-forwarding stall each load: 3x slower);
+    a float load is direct, and the kernels view the words as int32 again."""
+    out_features, nbytes = codes.shape
+    return codes.view(torch.int32).view(out_features // 8, 8, nbytes // 4).transpose(1, 2).contiguous().view(torch.float32)
 
 
-def int8_rows_mm(x: Tensor, blocked: Tensor, scales: Tensor) -> Tensor:
-    """x [rows <= INT8_ROWS_CHUNK, in] fp32 times block_int8's weight -> [rows, out], written for Inductor's CPU code:
-    it becomes one loop over the weight words that sign-extends each byte by shifts, converts it once and feeds it
-    to every row's accumulator (8 outputs a vector). Read as int8, the weight costs a quarter of fp32's bytes: on a
-    2-core AVX2 EPYC (Zen 3) a one-row LM head (49152x576) took 5.1 ms against 14.8 for fp32 F.linear, where
-    torch's _weight_int8pack_mm took 45 ms; 8 rows cost 2.8x one row."""
-    words = blocked.view(torch.int32)
-    codes = [((words << (24 - 8 * j)) >> 24).to(x.dtype) for j in range(4)]  # [out/8, in/4, 8] each
+def block_groups(t: Tensor) -> Tensor:
+    """Per-group values [out, groups] -> [out/8, groups, 1, 8], the int4 words' order."""
+    return t.view(t.shape[0] // 8, 8, -1).transpose(1, 2).contiguous()[:, :, None, :]
+
+
+# int8_rows_mm and int4_rows_mm are tensor code written for Inductor's CPU backend, which makes each one loop over
+# the weight words: bytes or nibbles taken out by shifts, converted once and fed to every row's accumulator (8
+# outputs a vector). So the weight is read in its quantised form, a quarter or an eighth of fp32's bytes. On a
+# 2-core AVX2 EPYC (Zen 3), one thread, the LM head (49152x576) at one row: fp32 F.linear 14.8 ms, int8 5.1 ms,
+# int4 7.3 ms (more decode work per byte), torch's _weight_int8pack_mm with fp32 activations 45 ms. 8 rows cost
+# about 2.8x one row. Eager, their unfused temporaries would cost far more: compiling_unfrozen() guards them.
+
+def int8_rows_mm(x: Tensor, words: Tensor, scales: Tensor) -> Tensor:
+    """x [rows <= ROWS_CHUNK, in] fp32, block_words(int8 weight) -> [rows, out]."""
+    words = words.view(torch.int32)
+    codes = [((words << (24 - 8 * j)) >> 24).to(x.dtype) for j in range(4)]  # byte j, sign-extended
     cols = x.view(x.shape[0], -1, 4)
     rows = [sum(codes[j] * cols[r, None, :, j, None] for j in range(4)).sum(1).flatten() for r in range(x.shape[0])]
     return torch.stack(rows) * scales
 
 
+def int4_rows_mm(x: Tensor, words: Tensor, scales: Tensor, offsets: Tensor) -> Tensor:
+    """x [rows <= ROWS_CHUNK, in padded] fp32, block_words(int4 weight) viewed [out/8, groups, groupsize/8, 8] ->
+    [rows, out]; scales and offsets (zero - 8 * scale) block_groups'. Column 8c + t is nibble t of word c, the even
+    column in a byte's high nibble: w = code * scale + offset, summed as scale * (x . codes) + offset * sum(x)."""
+    words = words.view(torch.int32)
+    codes = [((words >> (8 * (t // 2) + 4 * (1 - t % 2))) & 15).to(x.dtype) for t in range(8)]
+    cols = x.view(x.shape[0], *words.shape[1:3], 8)
+    rows = []
+    for r in range(x.shape[0]):
+        dots = sum(codes[t] * cols[r, None, :, :, t, None] for t in range(8))
+        rows.append((scales * dots + offsets * cols[r].sum(-1)[None, :, :, None]).sum((1, 2)).flatten())
+    return torch.stack(rows)
+
+
 def compiling_unfrozen() -> bool:
-    """Inside a graph torch.compile traces, with the weights left as inputs: int8_rows_mm eager would cost far more
-    than the pack kernel (its temporaries unfused), and Inductor's freezing (--compile max) folds its four decoded
-    byte planes into fp32 constants, as many bytes as the float weight."""
+    """Inside a graph torch.compile traces, with the weights left as inputs: where the *_rows_mm kernels pay. Under
+    Inductor's freezing (--compile max) the weights are constants, and their decoded byte planes would be folded into
+    fp32 constants: as many bytes as the float weight."""
     import torch._inductor.config as inductor_config
 
     return torch.compiler.is_compiling() and not inductor_config.freezing
@@ -115,7 +138,10 @@ class QuantLinear(nn.Module):
         self.kernel = None
         self.register_buffer("packed", None, persistent=False)
         self.register_buffer("scales_and_zeros", None, persistent=False)
-        self.register_buffer("blocked", None, persistent=False)  # block_int8's copy, for compiled CPU steps
+        # The *_rows_mm kernels' operands (block_words, block_groups), for compiled CPU steps
+        self.register_buffer("words", None, persistent=False)
+        self.register_buffer("group_scales", None, persistent=False)
+        self.register_buffer("group_offsets", None, persistent=False)
 
     @classmethod
     def from_linear(cls, linear: nn.Linear, mode: str, groupsize: int = 0) -> "QuantLinear":
@@ -137,11 +163,11 @@ class QuantLinear(nn.Module):
 
     def pack(self):
         """Builds the weight-only kernel's operands for the weight's device and the scales' dtype."""
-        self.kernel, self.packed, self.scales_and_zeros, self.blocked = None, None, None, None
+        self.kernel = self.packed = self.scales_and_zeros = self.words = self.group_scales = self.group_offsets = None
         try:  # a build may lack the kernel for this device, dtype or shape: then the small-row path dequantises
             self._pack()
         except (RuntimeError, NotImplementedError):
-            self.kernel, self.packed, self.scales_and_zeros, self.blocked = None, None, None, None
+            self.kernel = self.packed = self.scales_and_zeros = self.words = self.group_scales = self.group_offsets = None
 
     def _pack(self):
         device, dtype = self.weight.device, self.scales.dtype
@@ -155,16 +181,20 @@ class QuantLinear(nn.Module):
             #         fuses into one GEMV (compiled() turns on coordinate-descent tuning there): the pack kernel is
             #         one thread per output with a serial loop over K, and a 10-row draft step reads every weight
             #         row 10 times.
-            #   CPU, compiled, fp32 activations: int8_rows_mm over block_int8's copy (the int8 pack kernel with fp32
-            #         activations ran at a tenth of its speed on AVX2; bf16 activations, measured on AVX-512 only, keep it).
+            #   CPU, compiled, fp32 activations: int8_rows_mm (the int8 pack kernel with fp32 activations ran at a
+            #         ninth of its speed on AVX2; bf16 activations, measured on AVX-512 only, keep the pack kernel).
             if device.type != "cpu":
                 return
             self.kernel = "int8pack"
             if self.out_features % 8 == 0 and self.in_features % 4 == 0:
-                self.blocked = block_int8(self.weight)
+                self.words = block_words(self.weight)
         elif device.type == "cpu" and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).int(), 2)
             self.kernel = "int4pack_cpu"
+            if self.out_features % 8 == 0:  # compiled with fp32 activations: int4_rows_mm (6x the pack kernel on AVX2)
+                self.words = block_words(self.weight)
+                self.group_scales = block_groups(self.scales.float())
+                self.group_offsets = block_groups(self.zeros.float() - 8 * self.scales.float())
         elif has_tinygemm(device) and dtype == torch.bfloat16:
             k = self.weight.shape[1] * 2  # tinygemm packs from the [out][in/2] uint8 layout we store
             inner_k_tiles = next(t for t in (8, 4, 2) if k % (16 * t) == 0)
@@ -198,8 +228,12 @@ class QuantLinear(nn.Module):
 
     def weight_only_mm(self, x: Tensor) -> Tensor:
         """x [rows, in] -> [rows, out], reading the weight in its quantised form where a kernel exists."""
-        if self.blocked is not None and x.dtype == torch.float32 and compiling_unfrozen():
-            return torch.cat([int8_rows_mm(rows, self.blocked, self.scales) for rows in x.split(INT8_ROWS_CHUNK)])
+        if self.words is not None and x.dtype == torch.float32 and compiling_unfrozen():
+            if self.mode == "int8":
+                return torch.cat([int8_rows_mm(rows, self.words, self.scales) for rows in x.split(ROWS_CHUNK)])
+            words = self.words.view(self.out_features // 8, self.scales.shape[1], self.groupsize // 8, 8)
+            x = F.pad(x, (0, self.weight.shape[1] * 2 - self.in_features))
+            return torch.cat([int4_rows_mm(rows, words, self.group_scales, self.group_offsets) for rows in x.split(ROWS_CHUNK)])
         if self.kernel == "int8pack":
             return torch._weight_int8pack_mm(x, self.weight, self.scales)
         if self.mode == "int8":

@@ -50,21 +50,24 @@ def test_quant_linear_error_and_row_switch(mode, groupsize):
         torch.testing.assert_close(blocks, dense, rtol=1e-5, atol=1e-5)
 
 
-def test_compiled_int8_cpu_layer_reads_int8_words():
-    """Compiled on a CPU with fp32 activations, an int8 layer runs quant.int8_rows_mm (bytes taken out of
-    block_int8's words by shifts; not the pack kernel) and computes the dequantised weight's product at each row
-    count up to KERNEL_MAX_ROWS, chunks included; a shape block_int8 cannot tile keeps the pack kernel."""
+@pytest.mark.parametrize("mode,groupsize", [("int8", 0), ("int4", 32), ("int4", 128)])
+def test_compiled_cpu_layer_reads_quantised_words(mode, groupsize):
+    """Compiled on a CPU with fp32 activations, a quantised layer runs quant.int8_rows_mm / int4_rows_mm (codes
+    taken out of block_words' 32-bit words by shifts; not the pack kernels) and computes the dequantised weight's
+    product at each row count up to KERNEL_MAX_ROWS, chunks included (g128 pads 192 inputs to 256); a shape
+    block_words cannot tile keeps the pack kernel where
+    there is one."""
     torch.manual_seed(0)
-    for out_features, blocked in ((256, True), (100, False)):
-        q = QuantLinear.from_linear(nn.Linear(192, out_features, bias=True), "int8")
-        assert (q.blocked is not None) == blocked
-        w = q.weight.double() * q.scales.double()[:, None]
+    for out_features, tiled in ((256, True), (100, False)):
+        q = QuantLinear.from_linear(nn.Linear(192, out_features, bias=True), mode, groupsize)
+        assert (q.words is not None) == tiled
+        w = q.dequantize(torch.float64)
         step = torch.compile(q, dynamic=False)
         with torch.inference_mode():
-            for rows in (1, 5, 13) if blocked else (3,):
+            for rows in (1, 5, 13) if tiled else (3,):
                 x = torch.randn(rows, 192)
                 y, code = run_and_get_code(step, x)
-                assert ("int8pack" not in "".join(code)) == blocked
+                assert ("pack_mm" in "".join(code)) == (not tiled and q.kernel is not None)
                 torch.testing.assert_close(y.double(), x.double() @ w.t() + q.bias.double(), rtol=1e-5, atol=1e-5)
 
 
