@@ -85,6 +85,16 @@ def test_rows_of_a_quantised_target_equal_their_prompts_alone(tiny, random_head,
     assert [r.token_ids for r in gen.generate_batch(tiny.prompts[:2], NEW_TOKENS, GREEDY)] == refs
 
 
+def test_compiled_rows_of_a_quantised_target_equal_their_prompts_alone(tiny):
+    """Compiled in fp32 on a CPU, an int8 layer runs quant.int8_rows_mm: plain tensor code, which vmap batches (the
+    eager pack kernel has no vmap rule and runs once per row)."""
+    target = quant.quantize_model(copy.deepcopy(tiny.target), "int8")
+    assert target.output.words is not None
+    refs = [Generator(target).generate(p, NEW_TOKENS, GREEDY).token_ids for p in tiny.prompts[:2]]
+    gen = Generator(target, compile=True)  # vanilla: one row a layer, the rows kernel's case
+    assert [r.token_ids for r in gen.generate_batch(tiny.prompts[:2], NEW_TOKENS, GREEDY)] == refs
+
+
 def test_compiled_batches_equal_their_prompts_alone_without_recompiling(tiny):
     from torch._dynamo.utils import counters
 
