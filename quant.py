@@ -73,7 +73,7 @@ def block_groups(t: Tensor) -> Tensor:
 # outputs a vector). So the weight is read in its quantised form, a quarter or an eighth of fp32's bytes. On a
 # 2-core AVX2 EPYC (Zen 3), one thread, the LM head (49152x576) at one row: fp32 F.linear 14.8 ms, int8 5.1 ms,
 # int4 7.3 ms (more decode work per byte), torch's _weight_int8pack_mm with fp32 activations 45 ms. 8 rows cost
-# about 2.8x one row. Eager, their unfused temporaries would cost far more: compiling_unfrozen() guards them.
+# 2.0-2.8x one row. Eager, their unfused temporaries would cost far more: compiling_unfrozen() guards them.
 
 def int8_rows_mm(x: Tensor, words: Tensor, scales: Tensor) -> Tensor:
     """x [rows <= ROWS_CHUNK, in] fp32, block_words(int8 weight) -> [rows, out]."""
@@ -181,8 +181,8 @@ class QuantLinear(nn.Module):
             #         fuses into one GEMV (compiled() turns on coordinate-descent tuning there): the pack kernel is
             #         one thread per output with a serial loop over K, and a 10-row draft step reads every weight
             #         row 10 times.
-            #   CPU, compiled, fp32 activations: int8_rows_mm (the int8 pack kernel with fp32 activations ran at a
-            #         ninth of its speed on AVX2; bf16 activations, measured on AVX-512 only, keep the pack kernel).
+            #   CPU, compiled, fp32 activations: int8_rows_mm (the int8 pack kernel with fp32 activations took 7-9x
+            #         its time per layer on AVX2; bf16 activations, measured on AVX-512 only, keep the pack kernel).
             if device.type != "cpu":
                 return
             self.kernel = "int8pack"
@@ -191,7 +191,7 @@ class QuantLinear(nn.Module):
         elif device.type == "cpu" and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).int(), 2)
             self.kernel = "int4pack_cpu"
-            if self.out_features % 8 == 0:  # compiled with fp32 activations: int4_rows_mm (6x the pack kernel on AVX2)
+            if self.out_features % 8 == 0:  # compiled, fp32 activations: int4_rows_mm (decodes 7.6x faster on AVX2)
                 self.words = block_words(self.weight)
                 self.group_scales = block_groups(self.scales.float())
                 self.group_offsets = block_groups(self.zeros.float() - 8 * self.scales.float())
