@@ -163,11 +163,14 @@ class QuantLinear(nn.Module):
 
     def pack(self):
         """Builds the weight-only kernel's operands for the weight's device and the scales' dtype."""
-        self.kernel = self.packed = self.scales_and_zeros = self.words = self.group_scales = self.group_offsets = None
+        self._drop_kernels()
         try:  # a build may lack the kernel for this device, dtype or shape: then the small-row path dequantises
             self._pack()
         except (RuntimeError, NotImplementedError):
-            self.kernel = self.packed = self.scales_and_zeros = self.words = self.group_scales = self.group_offsets = None
+            self._drop_kernels()
+
+    def _drop_kernels(self):
+        self.kernel = self.packed = self.scales_and_zeros = self.words = self.group_scales = self.group_offsets = None
 
     def _pack(self):
         device, dtype = self.weight.device, self.scales.dtype
@@ -192,7 +195,8 @@ class QuantLinear(nn.Module):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).int(), 2)
             self.kernel = "int4pack_cpu"
             if self.out_features % 8 == 0:  # compiled, fp32 activations: int4_rows_mm (decodes 7.6x faster on AVX2)
-                self.words = block_words(self.weight)
+                groups = self.scales.shape[1]
+                self.words = block_words(self.weight).view(self.out_features // 8, groups, self.groupsize // 8, 8)
                 self.group_scales = block_groups(self.scales.float())
                 self.group_offsets = block_groups(self.zeros.float() - 8 * self.scales.float())
         elif has_tinygemm(device) and dtype == torch.bfloat16:
@@ -228,12 +232,9 @@ class QuantLinear(nn.Module):
 
     def weight_only_mm(self, x: Tensor) -> Tensor:
         """x [rows, in] -> [rows, out], reading the weight in its quantised form where a kernel exists."""
-        if self.words is not None and x.dtype == torch.float32 and compiling_unfrozen():
-            if self.mode == "int8":
-                return torch.cat([int8_rows_mm(rows, self.words, self.scales) for rows in x.split(ROWS_CHUNK)])
-            words = self.words.view(self.out_features // 8, self.scales.shape[1], self.groupsize // 8, 8)
-            x = F.pad(x, (0, self.weight.shape[1] * 2 - self.in_features))
-            return torch.cat([int4_rows_mm(rows, words, self.group_scales, self.group_offsets) for rows in x.split(ROWS_CHUNK)])
+        rows_kernel = self.words is not None and x.dtype == torch.float32 and compiling_unfrozen()
+        if rows_kernel and self.mode == "int8":
+            return torch.cat([int8_rows_mm(rows, self.words, self.scales) for rows in x.split(ROWS_CHUNK)])
         if self.kernel == "int8pack":
             return torch._weight_int8pack_mm(x, self.weight, self.scales)
         if self.mode == "int8":
@@ -243,6 +244,8 @@ class QuantLinear(nn.Module):
         k = self.weight.shape[1] * 2
         if k != self.in_features:
             x = F.pad(x, (0, k - self.in_features))
+        if rows_kernel:
+            return torch.cat([int4_rows_mm(rows, self.words, self.group_scales, self.group_offsets) for rows in x.split(ROWS_CHUNK)])
         if self.kernel == "tinygemm":
             return torch.ops.aten._weight_int4pack_mm(x, self.packed, self.groupsize, self.scales_and_zeros)
         return torch.ops.aten._weight_int4pack_mm_for_cpu(x, self.packed, self.groupsize, self.scales_and_zeros)

@@ -55,8 +55,7 @@ def test_compiled_cpu_layer_reads_quantised_words(mode, groupsize):
     """Compiled on a CPU with fp32 activations, a quantised layer runs quant.int8_rows_mm / int4_rows_mm (codes
     taken out of block_words' 32-bit words by shifts; not the pack kernels) and computes the dequantised weight's
     product at each row count up to KERNEL_MAX_ROWS, chunks included (g128 pads 192 inputs to 256); a shape
-    block_words cannot tile keeps the pack kernel where
-    there is one."""
+    block_words cannot tile keeps the pack kernel where there is one."""
     torch.manual_seed(0)
     for out_features, tiled in ((256, True), (100, False)):
         q = QuantLinear.from_linear(nn.Linear(192, out_features, bias=True), mode, groupsize)
