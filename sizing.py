@@ -16,6 +16,7 @@ import cache
 import dtypes
 import tp
 from model import FEW_QUERIES, causal_mask, find_multiple
+from quant import KERNEL_MAX_ROWS, QuantLinear
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -124,12 +125,18 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         few_rows(rows, (tokens, 0), (pos, 0), (feats, 1), (mask, 0))
         return lambda: run_head(target, head, tokens, feats, pos, mask)
 
+    # The draft level reads the target's LM head, so one quantised layer in either model counts for both passes.
+    quantised = any(isinstance(m, QuantLinear) for model in (target, head) for m in model.modules())
+
     def few_rows(n, *dims):
         # One dynamic graph times every size, and it must attend as the cycle's graphs of a fixed size do: the
         # bound lets the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path.
-        if compile_fn and n > 1:
+        # A quantised layer changes kernels past KERNEL_MAX_ROWS, and its CPU rows kernel loops over a static row
+        # count: up to there each size gets its own graph, as in the cycle, and one dynamic graph serves the rest.
+        low = KERNEL_MAX_ROWS + 1 if quantised else 2
+        if compile_fn and n >= low:
             for t, d in dims:
-                torch._dynamo.mark_dynamic(t, d, min=2, max=FEW_QUERIES)
+                torch._dynamo.mark_dynamic(t, d, min=low, max=FEW_QUERIES)
 
     step = _median_ms(target_pass(1), device, reps=5)
     verify = [_median_ms(target_pass(m + 1), device) / step for m in M_CHOICES]

@@ -103,3 +103,21 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert Generator(target, spec, head=head, compile=True).generate(prompt, 12, Sampling()).token_ids == \
         Generator(target).generate(prompt, 12, Sampling()).token_ids
+
+
+
+def test_compiled_sizing_of_a_quantised_target(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+    # A quantised layer switches kernels at KERNEL_MAX_ROWS rows, and its CPU rows kernel needs a static row count:
+    # one dynamic graph for 2..FEW_QUERIES rows cannot hold it (torch raised ConstraintViolationError here). Two tree
+    # sizes, one on each side of the switch, keep the compiles few.
+    import compiling
+    import copy
+    import quant
+
+    monkeypatch.setattr(sizing, "M_CHOICES", (2, 24))
+    target = quant.quantize_model(copy.deepcopy(random_model(tiny_args(), seed=0)), "int8")
+    head = random_head(tiny_args(), seed=1)
+    torch._dynamo.reset()
+    entry = sizing.measure_costs(target, head, compiling.sizing_compile(target, head))
+    assert set(entry["verify"]) == {"3", "25"} and set(entry["level"]) == {"4", "10"}
+    assert entry["decode_ms"] > 0 and all(r > 0 for r in [*entry["verify"].values(), *entry["level"].values()])
