@@ -3,10 +3,12 @@
 #   requests   from a jsonl file, or written by the target itself: its chat template up to the content of a user
 #              turn, an opener from SEEDS, sampled at temperature 1 until the turn ends; MT-bench look-alikes dropped
 #   answers    the target answers each request, B rows at once (left padding, fixed shapes, a compiled step)
-#   features   one right-padded forward per batch of conversations: post-norm states ("hidden", what the LM head
-#              reads) and EAGLE-3's fused input ("fused", the states entering three layers), bf16 safetensors shards
+#   features   post-norm states ("hidden", what the LM head reads) and EAGLE-3's fused input ("fused", the states
+#              entering three layers) at every position, bf16 safetensors shards: taken from the passes that wrote
+#              the answers; a right-padded feature pass only for conversations whose states were lost (a stop)
 #
 # Everything lives in one data directory and a rerun continues where the last one stopped; load_records reads it.
+import contextlib
 import fcntl
 import json
 import math
@@ -97,22 +99,24 @@ def nucleus_floor(probs: Tensor, top_p: float) -> Tensor:
     return lo
 
 
-def prefill_rows(target: Transformer, tokens: Tensor, pad: Tensor, temperature: Tensor, top_p: float) -> Tensor:
-    """Left-padded prompts [B, P] into cache slots [0, P); row b's prompt starts at slot pad[b]."""
-    slots = torch.arange(target.max_seq_length, device=tokens.device)
-    cache_pos = slots[: tokens.shape[1]]
-    mask = (slots >= pad[:, None, None]) & (slots <= cache_pos[:, None])
-    mask = mask | (slots == cache_pos[:, None])  # pad slots see only themselves, so they stay finite
-    h = target.hidden(tokens, (cache_pos - pad[:, None]).clamp(min=0), cache_pos, mask)[0]
-    return draw_rows(target.output(h[:, -1]), temperature, top_p)
+def prefill_rows(target: Transformer, tokens: Tensor, pad: Tensor, temperature: Tensor, top_p: float) -> tuple:
+    """Left-padded prompts [B, P] into cache slots [0, P); row b's prompt starts at slot pad[b]. -> (a token per row,
+    the states at every slot [B, P, *]: hidden (post-norm) and draft features, bf16 as stored)."""
+    cache_pos = torch.arange(tokens.shape[1], device=tokens.device)
+    mask = (cache_pos >= pad[:, None, None]) & (cache_pos <= cache_pos[:, None])
+    mask = mask | (cache_pos == cache_pos[:, None])  # pad slots see only themselves, so they stay finite
+    h, feats = target.hidden(tokens, (cache_pos - pad[:, None]).clamp(min=0), cache_pos, mask)
+    return draw_rows(target.output(h[:, -1]), temperature, top_p), h.to(torch.bfloat16), feats.to(torch.bfloat16)
 
 
-def decode_rows(target: Transformer, x: Tensor, slot: Tensor, pad: Tensor, temperature: Tensor, top_p: float) -> Tensor:
-    """x [B] the tokens entering cache slot `slot` [1]: every shape fixed by (B, cache length), no host sync."""
-    slots = torch.arange(target.max_seq_length, device=x.device)
-    mask = ((slots >= pad[:, None]) & (slots <= slot))[:, None, :]  # [B, 1, S]
-    h = target.hidden(x[:, None], (slot - pad)[:, None], slot, mask)[0]
-    return draw_rows(target.output(h[:, -1]), temperature, top_p)
+def decode_rows(target: Transformer, x: Tensor, slot: Tensor, pad: Tensor, temperature: Tensor, top_p: float,
+                width: int) -> tuple:
+    """x [B] the tokens entering cache slot `slot` [1], attending to the first `width` slots (> slot): every shape
+    fixed by (B, width), no host sync. -> (the next token per row, x's states [B, *] as prefill_rows')."""
+    slots = torch.arange(width, device=x.device)
+    mask = ((slots >= pad[:, None]) & (slots <= slot))[:, None, :]  # [B, 1, width]
+    h, feats = target.hidden(x[:, None], (slot - pad)[:, None], slot, mask)
+    return draw_rows(target.output(h[:, -1]), temperature, top_p), h[:, -1].to(torch.bfloat16), feats[:, -1].to(torch.bfloat16)
 
 
 _compiled_decode = {}
@@ -121,17 +125,19 @@ _compiled_decode = {}
 def decode_fn(compile: bool):
     if not compile:
         return decode_rows
-    if "fn" not in _compiled_decode:  # one compiled function: its cache holds a graph per (B, cache length)
-        _compiled_decode["fn"] = torch.compile(decode_rows, fullgraph=True, dynamic=False)
+    if "fn" not in _compiled_decode:  # one compiled function: its cache holds a graph per (B, width, taps, cache length)
+        fn = torch.compile(decode_rows, fullgraph=True, dynamic=False)
+        _compiled_decode["fn"] = torch._dynamo.config.patch(recompile_limit=64)(fn)  # a data job needs more than 8
     return _compiled_decode["fn"]
 
 
 @torch.inference_mode()
 def sample_batch(target: Transformer, prompts: list, max_new: int, temperature: Tensor, top_p: float, stop_ids,
-                 batch: int = 0, compile: bool = False) -> list:
+                 batch: int = 0, compile: bool = False, states: bool = False) -> list:
     """Continues the prompts at once, left-padded, in rows of `batch` (default: len(prompts); short batches are
     padded with dummy rows so every call has the same shapes). Returns each row's new tokens, up to and
-    including its first stop."""
+    including its first stop; with `states`, (new tokens, hidden, feats) per row: the target's states at every
+    prompt and answer position (prefill_rows'), taken from the passes that wrote the answer."""
     device = target.tok_embeddings.weight.device
     batch = batch or len(prompts)
     out_rows = []
@@ -142,23 +148,37 @@ def sample_batch(target: Transformer, prompts: list, max_new: int, temperature: 
         temps = torch.cat([temps.float(), temps.new_zeros(batch - n, dtype=torch.float)]).to(device)
         P = max(map(len, chunk))
         S = find_multiple(P + max_new, SLOT_ROUND)
-        if target.max_seq_length != S or target.layers[0].attention.kv_cache is None or target.layers[0].attention.kv_cache.k_cache.shape[0] != batch:
+        cache = target.layers[0].attention.kv_cache
+        if target.max_seq_length < S or cache is None or cache.k_cache.shape[0] != batch:  # steps read only `width` slots
             target.setup_caches(S, batch=batch)
         pad = torch.tensor([P - len(p) for p in chunk], device=device)
         tokens = torch.tensor([[0] * (P - len(p)) + p for p in chunk], device=device)
         stop = torch.tensor(list(stop_ids) or [-1], dtype=torch.long, device=device)
         step = decode_fn(compile)
-        out = [prefill_rows(target, tokens, pad, temps, top_p)]
+        first, h, feats = prefill_rows(target, tokens, pad, temps, top_p)
+        out, hs, fs = [first], [h], [feats]
         done = torch.isin(out[0], stop)
         slot = torch.tensor([P], device=device)
-        for t in range(1, max_new):
-            if t % 16 == 0 and bool(done[:n].all()):  # an occasional host sync, not one per step
+        while True:
+            last = len(out) == max_new or (len(out) % 16 == 0 and bool(done[:n].all()))  # a host sync every 16 steps
+            if last and not states:
                 break
-            out.append(step(target, out[-1], slot, pad, temps, top_p))
+            # the slot written is P + len(out) - 1; with states, the last step only reads the last token's states
+            token, h, feats = step(target, out[-1], slot, pad, temps, top_p, find_multiple(P + len(out), SLOT_ROUND))
+            hs.append(h[:, None]), fs.append(feats[:, None])
+            if last:
+                break
+            out.append(token)
             slot += 1
-            done |= torch.isin(out[-1], stop)
+            done |= torch.isin(token, stop)
         rows = torch.stack(out, 1)[:n].tolist()
-        out_rows += [row[: next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row))] for row in rows]
+        ends = [next((i + 1 for i, t in enumerate(row) if t in stop_ids), len(row)) for row in rows]
+        if not states:
+            out_rows += [row[:end] for row, end in zip(rows, ends)]
+            continue
+        hs, fs = torch.cat(hs, 1), torch.cat(fs, 1)
+        out_rows += [(row[:end], hs[r, P - len(p):P + end], fs[r, P - len(p):P + end])
+                     for r, (row, end, p) in enumerate(zip(rows, ends, chunk))]
     return out_rows
 
 
@@ -257,8 +277,9 @@ def write_requests(cfg: DataConfig, target: Transformer, tokenizer, want: int, d
     return requests
 
 
-def answer_requests(cfg: DataConfig, target: Transformer, tokenizer, requests: list, deadline: float) -> list:
-    """Conversations {id, temperature, prompt_len, tokens} in conversations.jsonl (a rerun continues)."""
+def answer_requests(cfg: DataConfig, target: Transformer, tokenizer, requests: list, deadline: float, states: dict) -> list:
+    """Conversations {id, temperature, prompt_len, tokens} in conversations.jsonl (a rerun continues); the new ones'
+    states (hidden, fused) into `states` by id, for write_features."""
     path, args = cfg.data / "conversations.jsonl", target.args
     convs = read_jsonl(path)
     answered = {c["id"] for c in convs}
@@ -275,9 +296,12 @@ def answer_requests(cfg: DataConfig, target: Transformer, tokenizer, requests: l
         chunk = todo[b:b + cfg.gen_batch]
         temps = [0.0 if rng.random() < cfg.greedy_fraction else cfg.temperature for _ in chunk]
         t0 = time.perf_counter()
-        answers = sample_batch(target, [p for _, p in chunk], cfg.max_answer_tokens, torch.tensor(temps), cfg.top_p,
-                               args.stop_tokens, cfg.gen_batch, cfg.compile)
+        with tapped(target):
+            rows = sample_batch(target, [p for _, p in chunk], cfg.max_answer_tokens, torch.tensor(temps), cfg.top_p,
+                                args.stop_tokens, cfg.gen_batch, cfg.compile, states=True)
         seconds += time.perf_counter() - t0
+        answers = [a for a, _, _ in rows]
+        states.update({i: (h, f) for (i, _), (_, h, f) in zip(chunk, rows)})
         new_tokens += sum(map(len, answers))
         batch = [{"id": i, "temperature": t, "prompt_len": len(p), "tokens": p + a} for (i, p), a, t in zip(chunk, answers, temps)]
         append_jsonl(path, batch)
@@ -321,16 +345,26 @@ def read_safetensors_mmap(path: Path) -> dict:
     return {name: data[a:b].view(dtypes[h["dtype"]]).view(h["shape"]) for name, h in header.items() for a, b in [h["data_offsets"]]}
 
 
+@contextlib.contextmanager
+def tapped(target: Transformer):
+    """The target's draft features are EAGLE-3's fused ones while inside: what the shards store."""
+    taps, target.taps = target.taps, eagle3_taps(target.args.n_layer)
+    try:
+        yield
+    finally:
+        target.taps = taps
+
+
 @torch.inference_mode()
 def featurize(target: Transformer, convs: list, max_tokens: int) -> dict:
-    """Conversations through the target in right-padded batches of at most max_tokens (rows x longest) -> one
-    shard's tensors: flat tokens, hidden [N, dim] and fused [N, 3 dim] in bf16, offsets, prompt_len, ids."""
+    """Conversations through the target in right-padded batches of at most max_tokens (rows x longest) -> their
+    states by id: (hidden [T, dim], fused [T, 3 dim]), bf16. For conversations whose answers were written
+    elsewhere; answer_requests keeps the states of its own."""
     device = target.tok_embeddings.weight.device
     convs = sorted(convs, key=lambda c: len(c["tokens"]))
-    taps, target.taps = target.taps, eagle3_taps(target.args.n_layer)
-    hidden, fused = [], []
-    try:
-        b = 0
+    states = {}
+    b = 0
+    with tapped(target):
         while b < len(convs):
             e = b + 1  # rows sorted by length: grow the batch while rows x longest fits
             while e < len(convs) and (e + 1 - b) * len(convs[e]["tokens"]) <= max_tokens:
@@ -343,26 +377,31 @@ def featurize(target: Transformer, convs: list, max_tokens: int) -> dict:
             h, f = target.hidden(tokens, pos, pos, causal_mask(pos, T))
             for row, c in enumerate(chunk):
                 n = len(c["tokens"])
-                hidden.append(h[row, :n].to(torch.bfloat16).cpu())
-                fused.append(f[row, :n].to(torch.bfloat16).cpu())
-    finally:
-        target.taps = taps
+                states[c["id"]] = (h[row, :n].to(torch.bfloat16).cpu(), f[row, :n].to(torch.bfloat16).cpu())
+    return states
+
+
+def shard_tensors(convs: list, states: dict) -> dict:
+    """One shard's tensors: flat tokens, hidden [N, dim] and fused [N, 3 dim] bf16, offsets, prompt_len, ids."""
     lengths = torch.tensor([len(c["tokens"]) for c in convs])
     return {
         "tokens": torch.tensor([t for c in convs for t in c["tokens"]], dtype=torch.int32),
-        "hidden": torch.cat(hidden),
-        "fused": torch.cat(fused),
+        "hidden": torch.cat([states[c["id"]][0] for c in convs]),
+        "fused": torch.cat([states[c["id"]][1] for c in convs]),
         "offsets": torch.cat([torch.zeros(1, dtype=torch.long), lengths.cumsum(0)]),
         "prompt_len": torch.tensor([c["prompt_len"] for c in convs]),
         "ids": torch.tensor([c["id"] for c in convs]),
     }
 
 
-def write_features(cfg: DataConfig, target: Transformer, convs: list, deadline: float, final: bool = True) -> int:
-    """Features for conversations no shard holds yet, shard_convs per shard; a partial shard is written only when
-    `final` (more conversations may be coming). Returns the number of conversations featurised now."""
+def write_features(cfg: DataConfig, target: Transformer, convs: list, deadline: float, final: bool = True,
+                   states: Optional[dict] = None) -> int:
+    """Features for conversations no shard holds yet, shard_convs per shard, from `states` (answer_requests') or
+    else a feature pass; a partial shard is written only when `final` (more conversations may be coming). Written
+    states leave `states`. Returns the number of conversations stored now."""
     from safetensors.torch import save_file
 
+    states = {} if states is None else states
     out = feature_dir(cfg.data)
     out.mkdir(parents=True, exist_ok=True)
     done = featurised_ids(cfg.data)
@@ -371,17 +410,25 @@ def write_features(cfg: DataConfig, target: Transformer, convs: list, deadline: 
     index = len(shard_paths(cfg.data))
     for b in range(0, len(todo), cfg.shard_convs):
         chunk = todo[b:b + cfg.shard_convs]
-        if time.monotonic() > deadline or (len(chunk) < cfg.shard_convs and not final):
-            break
+        missing = [c for c in chunk if c["id"] not in states]
+        if (missing and time.monotonic() > deadline) or (len(chunk) < cfg.shard_convs and not final):
+            break  # states in hand are written past the deadline: a shard costs seconds, a feature pass minutes
         t0 = time.perf_counter()
-        shard = featurize(target, chunk, cfg.feature_tokens)
+        states.update(featurize(target, missing, cfg.feature_tokens))
         seconds += time.perf_counter() - t0
+        shard = shard_tensors(chunk, states)
         path = out / f"shard-{index:05d}.safetensors"
         save_file(shard, str(path) + ".tmp")
         os.replace(str(path) + ".tmp", path)  # a crash mid-write leaves no half shard
-        index, count, tokens = index + 1, count + len(chunk), tokens + len(shard["tokens"])
-        print(f"features: {path.name}, {len(chunk)} conversations, {len(shard['tokens'])} tokens, "
-              f"{tokens / seconds:.0f} tokens/s so far", file=sys.stderr)
+        for c in chunk:
+            del states[c["id"]]
+        index, count = index + 1, count + len(chunk)
+        if missing:
+            tokens += sum(len(c["tokens"]) for c in missing)
+            print(f"features: {path.name}, {len(chunk)} conversations ({len(missing)} through a feature pass, "
+                  f"{tokens / seconds:.0f} tokens/s so far)", file=sys.stderr)
+        else:
+            print(f"features: {path.name}, {len(chunk)} conversations, {len(shard['tokens'])} tokens", file=sys.stderr)
     return count
 
 
@@ -420,13 +467,14 @@ def _build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, rou
     round_convs = round_convs or max(cfg.shard_convs, 8 * cfg.gen_batch)
     fixed = file_requests(cfg.prompts)[: cfg.num_prompts] if cfg.prompts else None
     convs = read_jsonl(cfg.data / "conversations.jsonl")
+    states = {}  # the answers' states, by conversation id, until a shard holds them
     while True:
         want = min(cfg.num_prompts, len(convs) + round_convs)
         requests = fixed[:want] if fixed is not None else write_requests(cfg, target, tokenizer, want, deadline)
-        convs = answer_requests(cfg, target, tokenizer, requests, deadline)
+        convs = answer_requests(cfg, target, tokenizer, requests, deadline, states)
         complete = len(convs) >= len(requests) and len(requests) >= (len(fixed) if fixed is not None else cfg.num_prompts)
         stalled = fixed is None and len(requests) < want and time.monotonic() <= deadline  # the target stopped writing new ones
-        write_features(cfg, target, convs, deadline, final=complete or stalled or time.monotonic() > deadline)
+        write_features(cfg, target, convs, deadline, complete or stalled or time.monotonic() > deadline, states)
         if complete or stalled or time.monotonic() > deadline:
             return convs, (complete or stalled) and {c["id"] for c in convs} <= featurised_ids(cfg.data)
 

@@ -121,19 +121,31 @@ def test_head_is_lossless_and_accepts(trained):
 
 
 @pytest.mark.parametrize("compile", [False, True], ids=["eager", "compiled"])
-def test_batched_sampling_matches_single_rows(tmp_path, compile):
+def test_batched_sampling_matches_single_rows(tmp_path, monkeypatch, compile):
     write_tiny_checkpoint(tmp_path)
     target, tok = load_model(tmp_path), load_tokenizer(tmp_path)
     texts = ["Explain", "Write a short poem about the sea", "How do I", "Describe a train leaving a station at night"]
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": t}], chat=True) for t in texts]
     assert len({len(p) for p in prompts}) > 1  # so rows are left-padded
+    monkeypatch.setattr(distill, "SLOT_ROUND", 8)  # steps attend to 8, 16, ... slots as the answers grow
     # Rows of 3: the second call holds one prompt and two dummy rows; all greedy except a sampled row whose
     # draws must not disturb the greedy rows beside it.
     temperature = torch.tensor([0.0, 0.0, 1.0, 0.0])
-    batched = distill.sample_batch(target, prompts, 16, temperature, 1.0, target.args.stop_tokens, batch=3, compile=compile)
-    for prompt, row, t in zip(prompts, batched, temperature.tolist()):
+    with distill.tapped(target):
+        batched = distill.sample_batch(target, prompts, 16, temperature, 1.0, target.args.stop_tokens, batch=3, compile=compile,
+                                       states=True)
+    for prompt, (row, hidden, fused), t in zip(prompts, batched, temperature.tolist()):
         if t == 0:
             assert row == Generator(target).generate(prompt, 16, Sampling(), target.args.stop_tokens).token_ids
+        # The states come with every row: the target's own over prompt and answer, one sequence alone (bf16).
+        tokens = torch.tensor(prompt + row)
+        T = len(tokens)
+        target.setup_caches(T)
+        pos = torch.arange(T)
+        with distill.tapped(target), torch.inference_mode():
+            h, f = target.hidden(tokens[None], pos, pos, torch.ones(T, T, dtype=torch.bool).tril())
+        for got, want in ((hidden, h[0]), (fused, f[0])):
+            torch.testing.assert_close(got.float(), want, atol=0.02 * want.abs().max().item(), rtol=0.02)
 
 
 def test_prompt_file(tmp_path):
