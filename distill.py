@@ -78,25 +78,28 @@ class DataConfig:
 
 def draw_rows(logits: Tensor, temperature: Tensor, top_p: float) -> Tensor:
     """One token per row; temperature [B], 0 = greedy. sampling.py's rule (temperature, then top-p) in a form cheap
-    for many rows over a large vocabulary: the nucleus by bisection over float bits instead of a sort (7x less
-    work at 64 x 49152), left unnormalised for sampling.sample."""
-    probs = torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1)
-    if top_p < 1.0:
-        probs = probs * (probs.view(torch.int32) >= nucleus_floor(probs, top_p))
-    return torch.where(temperature == 0, logits.argmax(-1), sample(probs))
+    for many rows over a large vocabulary: see nucleus()."""
+    if top_p >= 1.0:
+        choice = sample(torch.softmax(logits.float() / temperature.clamp(min=1e-5)[:, None], dim=-1))
+    else:
+        probs, ids = nucleus(logits, temperature, top_p)
+        choice = ids.gather(-1, sample(probs)[:, None]).squeeze(-1)
+    return torch.where(temperature == 0, logits.argmax(-1), choice)
 
 
-def nucleus_floor(probs: Tensor, top_p: float) -> Tensor:
-    """[B, 1] bits of the smallest kept probability: top-p keeps the most likely tokens until their mass reaches
-    top_p, i.e. every p >= t for the largest t whose {p >= t} holds top_p. Positive floats order like their int32
-    bits, so 31 halvings of the bit range find t exactly."""
-    bits = probs.view(torch.int32)
-    lo, hi = torch.zeros_like(bits[:, :1]), bits.max(-1, keepdim=True).values
-    for _ in range(31):
-        mid = lo + (hi - lo + 1) // 2
-        enough = (probs * (bits >= mid)).sum(-1, keepdim=True) >= top_p
-        lo, hi = torch.where(enough, mid, lo), torch.where(enough, hi, mid - 1)
-    return lo
+NUCLEUS_CANDIDATES = 256  # where nucleus() looks for the top-p nucleus: this many most likely tokens
+
+
+def nucleus(logits: Tensor, temperature: Tensor, top_p: float) -> tuple:
+    """The top-p nucleus sought among the NUCLEUS_CANDIDATES most likely tokens of each row: a top-k of the logits
+    instead of a sort of the vocabulary (64 x 49152 on one thread: 15 ms a draw against 85 for a 31-step bisection
+    over the whole vocabulary). Exact unless a nucleus holds more tokens than that (a flat distribution); then its
+    tail past them is cut, a negligible change for training data. -> (probabilities [B, K] over the whole vocabulary,
+    zero outside the nucleus; their token ids [B, K])."""
+    scaled = logits.float() / temperature.clamp(min=1e-5)[:, None]
+    top, ids = scaled.topk(min(NUCLEUS_CANDIDATES, scaled.shape[-1]), dim=-1)  # sorted, most likely first
+    probs = torch.exp(top - torch.logsumexp(scaled, dim=-1, keepdim=True))
+    return probs * ((probs.cumsum(-1) - probs) < top_p), ids  # as sampling.py: drop a token once the mass before it reaches top_p
 
 
 def prefill_rows(target: Transformer, tokens: Tensor, pad: Tensor, temperature: Tensor, top_p: float) -> tuple:

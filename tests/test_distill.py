@@ -16,12 +16,19 @@ from tokenizer import load_tokenizer
 pytestmark = pytest.mark.usefixtures("single_thread")
 
 
-def test_nucleus_floor_keeps_what_the_sort_rule_keeps():
+def test_nucleus_keeps_what_the_sort_rule_keeps():
     torch.manual_seed(0)
-    for scale, top_p in [(3.0, 0.95), (0.5, 0.9), (8.0, 0.5)]:
-        probs = torch.softmax(torch.randn(16, 4096) * scale, dim=-1)
-        kept = probs.view(torch.int32) >= distill.nucleus_floor(probs, top_p)
-        assert torch.equal(kept, sampling.logits_to_probs(probs.log(), 1.0, 0, top_p) > 0)
+    for top_p in (0.95, 0.9, 0.5):
+        logits = torch.randn(16, 4096) * torch.linspace(1, 12, 16)[:, None]  # flat to peaked rows
+        want = sampling.logits_to_probs(logits, 0.8, 0, top_p)
+        fits = (want > 0).sum(-1) <= distill.NUCLEUS_CANDIDATES
+        assert fits.any() and not fits.all()
+        probs, ids = distill.nucleus(logits, torch.full((16,), 0.8), top_p)
+        kept = torch.zeros_like(want).scatter(-1, ids, probs)
+        got = kept / kept.sum(-1, keepdim=True)
+        torch.testing.assert_close(got[fits], want[fits])
+        # Wider than the candidates: the most likely of the nucleus are kept, at their sort-rule odds.
+        assert ((got > 0) <= (want > 0)).all()
 
 
 @pytest.mark.parametrize("temperature,top_p", [(1.0, 1.0), (0.7, 0.9)])
