@@ -3,8 +3,10 @@
 # (the machine is shared: CPU time is what a run costs), with the load average.
 #
 #   python benchmarks/distill_speed.py --dtype bfloat16 --threads 1                # this tree's distill.sample_batch
+#   python benchmarks/distill_speed.py --dtype float32 --states --new-tokens 256   # as the data job runs it
 #   cd OLD_CHECKOUT && python /path/to/benchmarks/distill_speed.py --no-compile   # before: train_draft.sample_batch
 import argparse
+import contextlib
 import os
 import sys
 import time
@@ -34,6 +36,7 @@ def main():
     p.add_argument("--new-tokens", type=int, default=48)
     p.add_argument("--runs", type=int, default=3)
     p.add_argument("--no-compile", dest="compile", action="store_false")
+    p.add_argument("--states", action="store_true", help="the sampler keeps every position's states, as the data job does")
     p.add_argument("--features", action="store_true", help="also time distill.featurize on 48 conversations of 150-400 tokens")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
@@ -42,7 +45,11 @@ def main():
     try:
         import distill
 
-        sample = lambda *args: distill.sample_batch(*args, batch=a.batch, compile=a.compile)  # noqa: E731
+        def sample(*args):
+            with distill.tapped(target) if a.states else contextlib.nullcontext():
+                rows = distill.sample_batch(*args, batch=a.batch, compile=a.compile, **({"states": True} if a.states else {}))
+            return [r[0] for r in rows] if a.states else rows
+
         seeds, name = distill.SEEDS, "distill.sample_batch" + (" (compiled)" if a.compile else "")
     except ImportError:  # a checkout from before distill.py
         import train_draft
@@ -63,7 +70,7 @@ def main():
                  for i, n in enumerate(torch.randint(150, 400, (48,), generator=g))]
         for i in range(2):
             timed(f"distill.featurize {a.dtype} threads {a.threads} run {i}", lambda: distill.featurize(target, convs, 16384),
-                  lambda shard: len(shard["tokens"]))
+                  lambda states: sum(len(h) for h, _ in states.values()))
 
 
 if __name__ == "__main__":
