@@ -343,8 +343,8 @@ def convert_eagle(head_dir, out_dir, target_dir=None) -> ModelArgs:
     if "d2t" in raw or any(k.startswith("midlayer.") for k in raw):
         return convert_eagle3(config, raw, out_dir, args, target)
 
-    state = {rename(k, EAGLE_TOP_NAMES, r"layers\.(\d+)\.(.+)", EAGLE_LAYER_NAMES): w for k, w in raw.items()}
-    fuse_layers(state, args, 1, interleave=True)
+    state = {rename(k, EAGLE_TOP_NAMES, r"layers\.(\d+)\.(.+)", HF_LAYER_NAMES): w for k, w in raw.items()}  # layer 0 has no input norm
+    fuse_layers(state, args, max(1, args.n_layer), interleave=True)  # the official configs say 1 layer
     with torch.device("meta"):
         head = EagleHead(args, fc_bias="fc.bias" in state)  # the key decides: configs often omit "bias"
     check_fits(state, head)

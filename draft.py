@@ -1,5 +1,6 @@
 # The draft heads. EAGLE-1/2 (kind "eagle"): fc over [token embedding; target feature], then one decoder
-# layer without the input norm; no embedding, final norm or LM head of its own: the caller embeds tokens
+# layer without the input norm (config n_layer; the official heads have one, further layers have the norm, as
+# in the official code); no embedding, final norm or LM head of its own: the caller embeds tokens
 # and reads logits with the target's tensors, so they are shared, never copied.
 # EAGLE-3 (kind "eagle3"): fc maps the target's fused features (the states entering three layers, 3*dim)
 # to dim; one decoder layer whose attention reads [norm(token embedding); norm(h)] (2*dim) with the
@@ -36,8 +37,9 @@ class DraftHead(nn.Module):
         norm = self.layers[0].ffn_norm.weight  # norms stay float in quantised heads
         dtype = dtype or norm.dtype
         self.max_seq_length = max_seq_length
-        a = self.layers[0].attention
-        a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(norm.device)
+        for layer in self.layers:
+            a = layer.attention
+            a.kv_cache = KVCache(1, a.n_kv, max_seq_length, a.head_dim, dtype).to(norm.device)
         # Heads use the RoPE of their own config (its scaling included), sized by the target's context,
         # not the head's max_position_embeddings (often 2048, shorter than the target).
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(norm.device), persistent=False)
@@ -53,7 +55,8 @@ class EagleHead(DraftHead):
     def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0):
         super().__init__(args, draft_vocab_size)
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
-        self.layers = nn.ModuleList([TransformerBlock(args, input_norm=False)])
+        # The official heads have one layer (n_layer 1); more layers (ours) read normed inputs like a target's.
+        self.layers = nn.ModuleList([TransformerBlock(args, input_norm=i > 0) for i in range(max(1, args.n_layer))])
         self.lm_head = None  # set by use_draft_vocab: the target's LM head rows for draft_vocab
 
     def logits(self, h: Tensor, target_output: nn.Module) -> Tensor:
@@ -61,10 +64,13 @@ class EagleHead(DraftHead):
         return target_output(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
-        """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm). attention: see
-        Eagle3Block."""
+        """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm). attention: one
+        per layer, or None (see Eagle3Block)."""
         x = self.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
-        return self.layers[0](x, rope_at(self.rope, input_pos, x.shape[0]), cache_pos, mask, attention)
+        rope = rope_at(self.rope, input_pos, x.shape[0])
+        for i, layer in enumerate(self.layers):
+            x = layer(x, rope, cache_pos, mask, attention and attention[i])
+        return x
 
 
 class Eagle3Block(nn.Module):
@@ -106,7 +112,7 @@ class Eagle3Head(DraftHead):
         h = feature.to(emb.dtype)
         if h.shape[-1] != self.args.dim:  # static: the shape decides at trace time
             h = self.fc(h)
-        return self.layers[0](emb, h, rope_at(self.rope, input_pos, h.shape[0]), cache_pos, mask, attention)
+        return self.layers[0](emb, h, rope_at(self.rope, input_pos, h.shape[0]), cache_pos, mask, attention and attention[0])
 
 
 def use_draft_vocab(head: EagleHead, target_output: nn.Module, size=None) -> EagleHead:

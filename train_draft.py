@@ -59,10 +59,13 @@ class TrainConfig(DataConfig):  # the data fields (requests, answers, features) 
     data_only: bool = False  # stop once the data is written (a long generation job)
     train_only: bool = False  # train on the conversations already featurised in the data dir, writing no more
     init: Optional[Path] = None  # start from this head's weights (fine-tuning on new data)
+    freeze_init: bool = False  # train only the weights the --init head lacks (e.g. --head-layers beyond its own)
+    init_vocab: bool = False  # draft over the --init head's vocabulary (default: count this data's)
     threads: int = 0  # torch threads (0: torch's default); on a busy machine fewer threads can be faster
     device: Optional[str] = None
     dtype: Optional[str] = None  # the target's; the head trains in float32
     arch: str = "eagle"  # eagle (EAGLE-1/2) | eagle3
+    head_layers: int = 1  # decoder layers of an EAGLE-1/2 head (the official heads have one)
     ttt_steps: int = 0  # draft steps unrolled in training (0: the arch's default, eagle 1, eagle3 7; 1: no training-time test)
     ttt_decay: float = 0.8  # step i's loss weight is decay^i
     autocast: str = "auto"  # bf16 autocast: auto (where the device has native bf16 matmul) | on | off
@@ -79,8 +82,8 @@ def count_draft_vocab(convs: list, size: int, vocab_size: int) -> Tensor:
     return torch.tensor((seen + [t for _, t in zip(range(size - len(seen)), unseen)])[:size], dtype=torch.long)
 
 
-def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle"):
-    device, args = target.tok_embeddings.weight.device, replace(target.args, n_layer=1)
+def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle", layers: int = 1):
+    device, args = target.tok_embeddings.weight.device, replace(target.args, n_layer=layers if arch == "eagle" else 1)
     if arch == "eagle3":
         draft_vocab = draft_vocab if len(draft_vocab) else torch.arange(target.args.vocab_size)
         head = Eagle3Head(args, len(draft_vocab), eagle3_taps(target.args.n_layer)).to(device)
@@ -89,9 +92,14 @@ def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str =
             head.lm_head.weight.copy_(target.output.weight[draft_vocab.to(device)])
     else:
         head = EagleHead(args, fc_bias=True, draft_vocab_size=len(draft_vocab)).to(device)
+        with torch.no_grad():  # layers past the first start as the identity, so an --init head keeps its drafts
+            for layer in head.layers[1:]:
+                layer.attention.wo.weight.zero_()
+                layer.feed_forward.w2.weight.zero_()
     head.draft_vocab.copy_(draft_vocab)
     head.setup_caches(max_len)
-    head.layers[0].attention.kv_cache = None  # training attends within each batch's T slots under a [T, T] mask
+    for layer in head.layers:
+        layer.attention.kv_cache = None  # training attends within each batch's T slots under a [T, T] mask
     return head
 
 
@@ -214,7 +222,7 @@ def unrolled_steps(head: EagleHead, embed: Tensor, tokens: Tensor, feature: Tens
     reads the head's own step i-1 output instead."""
     T = feature.shape[1]
     slot = torch.arange(T, device=tokens.device)
-    h, attention = feature.to(embed.dtype), UnrolledAttention(head.layers[0].attention)
+    h, attention = feature.to(embed.dtype), [UnrolledAttention(layer.attention) for layer in head.layers]
     if scale is not None:
         h = h * scale.to(embed.dtype)
     for i in range(steps):
@@ -272,8 +280,15 @@ def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
 def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
     """Returns the step reached. Appends one line per step to --out/train_log.jsonl. data: records
     {tokens, prompt_len, hidden, fused (eagle3)}, as distill.load_records returns them."""
-    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch)
-    opt = torch.optim.AdamW(head.parameters(), lr=cfg.lr, betas=(0.9, 0.95))
+    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch, cfg.head_layers)
+    device = target.tok_embeddings.weight.device
+    own = head.state_dict()
+    weights = load_head(cfg.init, target.args, device).state_dict() if cfg.init else {}
+    weights = {k: v for k, v in weights.items() if k in own and v.shape == own[k].shape}
+    if cfg.freeze_init:  # only what the --init head lacks learns: a grown head's new layers
+        for name, p in head.named_parameters():
+            p.requires_grad_(name not in weights)
+    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95))
     step, state_path = 0, cfg.out / "train_state.pt"
     state = {}
     if cfg.resume:
@@ -288,10 +303,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         step = state["step"]
     else:
         if cfg.init:
-            weights = load_head(cfg.init, target.args, target.tok_embeddings.weight.device).state_dict()
-            own = head.state_dict()
             keep_vocab = cfg.arch == "eagle3"  # its LM head's rows belong to its own draft vocabulary, not this data's count
-            head.load_state_dict({k: v for k, v in weights.items() if (keep_vocab or k != "draft_vocab") and k in own and v.shape == own[k].shape}, strict=False)
+            head.load_state_dict({k: v for k, v in weights.items() if keep_vocab or k != "draft_vocab"}, strict=False)
         if (cfg.out / "train_log.jsonl").exists():
             (cfg.out / "train_log.jsonl").unlink()
     fc_scale = state.get("fc_scale") if cfg.resume else None
@@ -305,7 +318,6 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         lm_head = lm_head[head.draft_vocab.to(lm_head.device)]
     in_draft = torch.zeros(len(lm_full), dtype=torch.bool, device=lm_full.device).index_fill_(0, head.draft_vocab.to(lm_full.device), True)
     loss_fn = ttt_loss if cfg.arch == "eagle3" else head_loss
-    device = target.tok_embeddings.weight.device
     bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
     per_epoch = math.ceil(len(data) / cfg.batch_size)
     total = cfg.epochs * per_epoch
@@ -370,7 +382,10 @@ HELP = {
     "data_only": "stop once the data is written (rerun to continue it)",
     "train_only": "train on the conversations whose features are already in --data-dir; generate nothing",
     "init": "start from this head's weights instead of a fresh head",
+    "freeze_init": "train only the weights the --init head lacks (the layers --head-layers adds)",
+    "init_vocab": "draft over the --init head's vocabulary instead of this data's most frequent tokens",
     "arch": "eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test",
+    "head_layers": "decoder layers of an EAGLE-1/2 head (official: 1; more draft better and cost more per level)",
     "ttt_steps": "draft steps unrolled in training (training-time test; default eagle 1, eagle3 7 as the official code)",
     "ttt_decay": "loss weight decay per unrolled step (official 0.8)",
     "autocast": "bf16 autocast (auto: where bf16 matmul is native)",
@@ -396,9 +411,13 @@ def build_parser() -> argparse.ArgumentParser:
 
 def check_config(cfg: TrainConfig):
     for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "feature_tokens", "shard_convs", "epochs",
-                 "batch_size", "save_every"):
+                 "batch_size", "save_every", "head_layers"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if (cfg.freeze_init or cfg.init_vocab) and not cfg.init:
+        raise UsageError("--freeze-init and --init-vocab need --init")
+    if cfg.head_layers != 1 and cfg.arch != "eagle":
+        raise UsageError("--head-layers is for EAGLE-1/2 heads (--arch eagle)")
     if cfg.ttt_steps < 0:
         raise UsageError("--ttt-steps must be >= 1 (0: the arch's default)")
     if cfg.holdout is not None and not cfg.holdout.exists():
@@ -437,8 +456,12 @@ def run(cfg: TrainConfig) -> int:
     if not convs:
         raise UsageError("no usable requests: pass --prompts FILE.jsonl")
     target.taps = eagle3_taps(target.args.n_layer) if cfg.arch == "eagle3" else ()  # the stored records carry the fused states
-    draft_vocab = (count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
-                   if 0 < cfg.draft_vocab < target.args.vocab_size else torch.zeros(0, dtype=torch.long))
+    if cfg.init and cfg.init_vocab:
+        draft_vocab = load_head(cfg.init, target.args).draft_vocab
+    elif 0 < cfg.draft_vocab < target.args.vocab_size:
+        draft_vocab = count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
+    else:
+        draft_vocab = torch.zeros(0, dtype=torch.long)
     train(cfg, target, distill.load_records(cfg.data, keys=("hidden", "fused") if cfg.arch == "eagle3" else ("hidden",)), draft_vocab, deadline)
     print(f"wrote {cfg.out / 'head'}", file=sys.stderr)
     return 0

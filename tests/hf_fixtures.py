@@ -163,27 +163,33 @@ def head_sizes(config: dict) -> tuple:
     return h, config["intermediate_size"], config["vocab_size"], h, config["num_key_value_heads"] * (h // n_head)
 
 
-def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, seed: int = 0, **config_overrides) -> dict:
+def write_official_eagle_head(out_dir, target_hf_model, *, bias: bool = True, seed: int = 0, layers: int = 1,
+                              **config_overrides) -> dict:
     """A random EAGLE-1/2 head in the official format for `target_hf_model`: config.json plus pytorch_model.bin, keys
-    without a `model.` prefix, HF rotate-half q/k rows. `config_overrides` (e.g. hidden_size=96) make heads that do
-    not fit. Returns the state dict written."""
+    without a `model.` prefix, HF rotate-half q/k rows; `layers` decoder layers, the first without input_layernorm.
+    `config_overrides` (e.g. hidden_size=96) make heads that do not fit. Returns the state dict written."""
     out_dir = Path(out_dir)
     out_dir.mkdir(parents=True, exist_ok=True)
     config = official_head_config(target_hf_model, architectures=["LlamaForCausalLM"], bias=bias, **config_overrides)
+    config["num_hidden_layers"] = layers
     h, inter, vocab, q_rows, kv_rows = head_sizes(config)
-    shapes = {
-        "fc.weight": (h, 2 * h),
-        "layers.0.self_attn.q_proj.weight": (q_rows, h),
-        "layers.0.self_attn.k_proj.weight": (kv_rows, h),
-        "layers.0.self_attn.v_proj.weight": (kv_rows, h),
-        "layers.0.self_attn.o_proj.weight": (h, q_rows),
-        "layers.0.mlp.gate_proj.weight": (inter, h),
-        "layers.0.mlp.up_proj.weight": (inter, h),
-        "layers.0.mlp.down_proj.weight": (h, inter),
-    }
+    shapes = {"fc.weight": (h, 2 * h)}
+    for i in range(layers):
+        shapes |= {
+            f"layers.{i}.self_attn.q_proj.weight": (q_rows, h),
+            f"layers.{i}.self_attn.k_proj.weight": (kv_rows, h),
+            f"layers.{i}.self_attn.v_proj.weight": (kv_rows, h),
+            f"layers.{i}.self_attn.o_proj.weight": (h, q_rows),
+            f"layers.{i}.mlp.gate_proj.weight": (inter, h),
+            f"layers.{i}.mlp.up_proj.weight": (inter, h),
+            f"layers.{i}.mlp.down_proj.weight": (h, inter),
+        }
     g = torch.Generator().manual_seed(seed)
     state = {k: torch.randn(shape, generator=g) / math.sqrt(shape[1]) for k, shape in shapes.items()}
-    state["layers.0.post_attention_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+    for i in range(layers):
+        state[f"layers.{i}.post_attention_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=g)
+        if i:
+            state[f"layers.{i}.input_layernorm.weight"] = 1 + 0.2 * torch.randn(h, generator=g)
     if bias:
         state["fc.bias"] = 0.1 * torch.randn(h, generator=g)
     target_embedding = target_hf_model.get_input_embeddings().weight.detach().float()

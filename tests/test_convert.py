@@ -186,31 +186,35 @@ def test_smollm2_logits_match_transformers_gguf_loader(smollm2, monkeypatch):
 
 @torch.no_grad()
 def reference_head(official: dict, config: dict, emb: torch.Tensor, feature: torch.Tensor) -> torch.Tensor:
-    """The official head's forward with transformers' decoder layer: fc(cat(emb, feature)), no input norm, HF RoPE."""
+    """The official head's forward with transformers' decoder layers: fc(cat(emb, feature)), the first layer without
+    its input norm, HF RoPE."""
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRotaryEmbedding
 
     hf_config = LlamaConfig(**config)
     hf_config._attn_implementation = "eager"
-    layer = LlamaDecoderLayer(hf_config, layer_idx=0)
-    layer.input_layernorm = torch.nn.Identity()
-    layer.load_state_dict({k.removeprefix("layers.0."): v for k, v in official.items() if k.startswith("layers.0.")})
     x = F.linear(torch.cat([emb, feature], dim=-1), official["fc.weight"], official.get("fc.bias"))
     length = x.shape[1]
     position_ids = torch.arange(length)[None]
     rope = LlamaRotaryEmbedding(hf_config)(x, position_ids)
     mask = torch.full((length, length), float("-inf")).triu(1)[None, None]
-    return layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+    for i in range(config["num_hidden_layers"]):
+        layer = LlamaDecoderLayer(hf_config, layer_idx=i)
+        if i == 0:
+            layer.input_layernorm = torch.nn.Identity()
+        layer.load_state_dict({k.removeprefix(f"layers.{i}."): v for k, v in official.items() if k.startswith(f"layers.{i}.")})
+        x = layer(x, attention_mask=mask, position_ids=position_ids, position_embeddings=rope)
+    return x
 
 
-@pytest.mark.parametrize("bias", [True, False])
-def test_eagle_head_matches_transformers_decoder_layer(gqa_tied, tmp_path, bias):
+@pytest.mark.parametrize("bias, layers", [(True, 1), (False, 1), (True, 2)])
+def test_eagle_head_matches_transformers_decoder_layer(gqa_tied, tmp_path, bias, layers):
     _, hf_model, target_dir = gqa_tied
-    official = write_official_eagle_head(tmp_path / "official", hf_model, bias=bias, seed=5)
+    official = write_official_eagle_head(tmp_path / "official", hf_model, bias=bias, seed=5, layers=layers)
     convert.convert_eagle(tmp_path / "official", tmp_path / "head", target_dir=target_dir)
     target = load_model(target_dir)
     head = draft.load_head(tmp_path / "head", target.args)
-    assert (head.fc.bias is not None) == bias
+    assert (head.fc.bias is not None) == bias and len(head.layers) == layers
 
     length = 12
     tokens = random_tokens(320, length, seed=6)[None]

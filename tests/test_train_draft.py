@@ -10,7 +10,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 import distill
 import train_draft
-from draft import EagleHead, load_head
+from draft import EagleHead, load_head, save_head
 from checkpoint import load_model
 from eaglet import Generator
 from sampling import Sampling
@@ -183,3 +183,36 @@ def test_reduced_draft_vocabulary_head(trained, tmp_path):
     result = gen.generate(prompt, 32, Sampling(), lap=lambda name, **t: name == "accept" and trees.append(t["tokens"][1:]))
     assert result.token_ids == Generator(target).generate(prompt, 32, Sampling()).token_ids
     assert set(torch.cat(trees).tolist()) <= set(head.draft_vocab.tolist())
+
+
+def test_grown_head_starts_as_its_init_and_trains_only_the_new_layer(trained, tmp_path):
+    ckpt, out, _, _ = trained
+    target = load_model(ckpt)
+    trained_head = load_head(out / "head", target.args)
+    init = EagleHead(trained_head.args, draft_vocab_size=48)
+    init.load_state_dict(trained_head.state_dict(), strict=False)
+    init.draft_vocab.copy_(torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(3))[:48])
+    save_head(init, tmp_path / "init")  # a vocabulary no count of this data gives
+    common = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--train-only", *TRAIN_ARGS, "--epochs", "1",
+              "--init", str(tmp_path / "init"), "--init-vocab", "--lr", "1e-3"]
+    assert train_draft.main([*common, "--out", str(tmp_path / "same")]) == 0
+    assert train_draft.main([*common, "--out", str(tmp_path / "grown"), "--head-layers", "2", "--freeze-init"]) == 0
+    first = [json.loads((tmp_path / run / "train_log.jsonl").read_text().splitlines()[0]) for run in ("same", "grown")]
+    assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)  # the added layer starts as the identity
+    grown = load_head(tmp_path / "grown" / "head", target.args)
+    assert len(grown.layers) == 2 and grown.draft_vocab.tolist() == init.draft_vocab.tolist()
+    before, after = init.state_dict(), grown.state_dict()
+    assert all(torch.equal(before[k], after[k]) for k in before)  # --freeze-init: the init's weights as they were
+    assert grown.layers[1].attention.wo.weight.abs().sum() > 0 and grown.layers[1].feed_forward.w2.weight.abs().sum() > 0
+    tok = load_tokenizer(ckpt)
+    prompt = encode_prompt(tok, target.args, [{"role": "user", "content": "Explain"}], chat=True)
+    assert Generator(target, SPEC, head=grown).generate(prompt, 32, Sampling()).token_ids == Generator(target).generate(prompt, 32, Sampling()).token_ids
+
+
+@pytest.mark.parametrize("flags", [["--freeze-init"], ["--init-vocab"], ["--head-layers", "2", "--arch", "eagle3"], ["--head-layers", "0"]])
+def test_misused_head_flags_are_one_line_exit_2(trained, tmp_path, capsys, flags):
+    ckpt, out, _, _ = trained
+    argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path), "--train-only", *TRAIN_ARGS, *flags]
+    assert train_draft.main(argv) == 2
+    err = capsys.readouterr().err.strip()
+    assert err.startswith("error:") and "\n" not in err
