@@ -1,0 +1,79 @@
+# A head's agreement with the target along the target's own greedy answers, in a minute instead of a τ run's
+# quarter hour: the target answers N MT-bench first turns greedily (batched, its states kept), then each head is
+# unrolled over them as training unrolls it (step 0 reads the target's feature, step i its own step i-1 output)
+# and scored at every answer position: how often the target's argmax is the head's top-1 and lies in its top-10
+# at each step, and how often it lies outside the head's draft vocabulary (a token no tree can hold). Step 0's
+# top-10 bounds the first tree level's acceptance. Teacher-forced: a proxy for τ, not τ (bench.py measures that).
+#
+#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
+#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over the head's first N tokens (0: all)
+import argparse
+import os
+import sys
+
+sys.path.insert(0, os.getcwd())
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+from checkpoint import default_checkpoint, load_model  # noqa: E402
+from distill import sample_batch  # noqa: E402
+from draft import load_head  # noqa: E402
+from prompts import load_conversations  # noqa: E402
+from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
+from train_draft import target_argmax, unrolled_steps  # noqa: E402
+
+
+@torch.no_grad()
+def agreement(head, target, answers: list, steps: int, k: int = 10) -> dict:
+    lm = target.output.weight.float()
+    vocab = head.draft_vocab if len(head.draft_vocab) else torch.arange(len(lm))
+    in_vocab = torch.zeros(len(lm), dtype=torch.bool).index_fill_(0, vocab, True)
+    top1, topk, count, outside, positions = [0] * steps, [0] * steps, [0] * steps, 0, 0
+    embed = target.tok_embeddings.weight.float()
+    for tokens, prompt_len, hidden in answers:
+        T = len(tokens) - 1
+        want_all = target_argmax(hidden.float()[None, 1:], lm)[0]  # [j]: the target's token after position j + 1
+        padded = F.pad(tokens[None], (0, steps))
+        for i, h in enumerate(unrolled_steps(head, embed, padded, hidden.float()[None, :T], steps)):
+            slots = torch.arange(max(0, prompt_len - 1 - i), T - i)  # step i at slot j drafts the token after j + 1 + i
+            want = want_all[slots + i]
+            drafted = vocab[F.linear(h[0, slots], lm[vocab]).topk(k, -1).indices]
+            top1[i] += int((drafted[:, 0] == want).sum())
+            topk[i] += int((drafted == want[:, None]).any(-1).sum())
+            count[i] += len(slots)
+        outside += int((~in_vocab[want_all[prompt_len - 1:]]).sum())
+        positions += len(want_all) - prompt_len + 1
+    return {"top1": [a / n for a, n in zip(top1, count)], f"top{k}": [a / n for a, n in zip(topk, count)],
+            "outside_vocab": outside / positions}
+
+
+def main():
+    p = argparse.ArgumentParser()
+    p.add_argument("heads", nargs="+", help="head directories, each optionally :N (draft over its first N tokens; 0: all)")
+    p.add_argument("--num-prompts", type=int, default=40)
+    p.add_argument("--max-new-tokens", type=int, default=128)
+    p.add_argument("--steps", type=int, default=6, help="unrolled steps: the tree's depth")
+    p.add_argument("--threads", type=int, default=1)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    checkpoint = default_checkpoint()
+    target, tok = load_model(checkpoint, "cpu", torch.float32), load_tokenizer(checkpoint)
+    prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=a.num_prompts)]
+    rows = sample_batch(target, prompts, a.max_new_tokens, torch.zeros(len(prompts)), 1.0, target.args.stop_tokens, batch=16, states=True)
+    answers = [(torch.tensor(p + new), len(p), hidden) for p, (new, hidden, _) in zip(prompts, rows)]
+    print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} greedy answer tokens, fp32 target")
+    for spec in a.heads:
+        path, _, size = spec.partition(":")
+        head = load_head(path, target.args)
+        if size:
+            head.draft_vocab = head.draft_vocab[:int(size)] if int(size) else head.draft_vocab[:0]
+        head.setup_caches(a.max_new_tokens + max(map(len, prompts)) + a.steps)
+        for layer in head.layers:
+            layer.attention.kv_cache = None  # unrolled_steps attends within the answer, as training does
+        r = agreement(head, target, answers, a.steps)
+        print(f"{spec}: outside vocab {r['outside_vocab']:.3f}  top1 {' '.join(f'{x:.3f}' for x in r['top1'])}  "
+              f"top10 {' '.join(f'{x:.3f}' for x in r['top10'])}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
