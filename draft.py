@@ -55,7 +55,7 @@ class EagleHead(DraftHead):
     def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0):
         super().__init__(args, draft_vocab_size)
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
-        # The official heads have one layer (n_layer 1); more layers (ours) read normed inputs like a target's.
+        # The official heads have one layer (n_layer 1); the official code norms the input of any later one.
         self.layers = nn.ModuleList([TransformerBlock(args, input_norm=i > 0) for i in range(max(1, args.n_layer))])
         self.lm_head = None  # set by use_draft_vocab: the target's LM head rows for draft_vocab
 

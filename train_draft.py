@@ -385,7 +385,7 @@ HELP = {
     "freeze_init": "train only the weights the --init head lacks (the layers --head-layers adds)",
     "init_vocab": "draft over the --init head's vocabulary instead of this data's most frequent tokens",
     "arch": "eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test",
-    "head_layers": "decoder layers of an EAGLE-1/2 head (official: 1; more draft better and cost more per level)",
+    "head_layers": "decoder layers of an EAGLE-1/2 head (official: 1; each costs a decoder layer per draft level)",
     "ttt_steps": "draft steps unrolled in training (training-time test; default eagle 1, eagle3 7 as the official code)",
     "ttt_decay": "loss weight decay per unrolled step (official 0.8)",
     "autocast": "bf16 autocast (auto: where bf16 matmul is native)",
