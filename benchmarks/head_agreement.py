@@ -1,9 +1,10 @@
 # A head's agreement with the target along the target's own greedy answers, in minutes instead of a τ run's quarter
 # hour (one thread: about 2.5 minutes for the answers, half a minute a head): the target answers N MT-bench first
-# turns greedily (batched, its states kept), then each head is unrolled over them as training unrolls it (step 0 reads the target's feature, step i its own step i-1 output)
-# and scored at every answer position: how often the target's argmax is the head's top-1 and lies in its top-10
-# at each step, and how often it lies outside the head's draft vocabulary (a token no tree can hold). Step 0's
-# top-10 bounds the first tree level's acceptance. Teacher-forced: a proxy for τ, not τ (bench.py measures that).
+# turns greedily (batched, its states kept), then each head is unrolled over them as training unrolls it (step 0
+# reads the target's feature, step i its own step i-1 output) and scored at every answer position: how often the
+# target's argmax is the head's top-1 and lies in its top-10 at each step, and how often it lies outside the head's
+# draft vocabulary (a token no tree can hold). Step 0's top-10 bounds the first tree level's acceptance.
+# Teacher-forced: a proxy for τ, not τ (bench.py measures that).
 #
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over the head's first N tokens (0: all)
