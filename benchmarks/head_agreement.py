@@ -1,7 +1,7 @@
 # A head's agreement with the target along the target's own greedy answers, in minutes instead of a τ run's quarter
 # hour (one thread: about 2.5 minutes for the answers, half a minute a head): the target answers N MT-bench first
 # turns greedily (batched, its states kept), then each head is unrolled over them as training unrolls it (step 0
-# reads the target's feature, step i its own step i-1 output) and scored at every answer position: how often the
+# reads the target's feature, its fused states for an EAGLE-3 head, step i its own step i-1 output) and scored at every answer position: how often the
 # target's argmax is the head's top-1 and lies in its top-10 at each step, and how often it lies outside the head's
 # draft vocabulary (a token no tree can hold). Step 0's top-10 bounds the first tree level's acceptance.
 # Teacher-forced: a proxy for τ, not τ (bench.py measures that).
@@ -18,7 +18,8 @@ import torch.nn.functional as F  # noqa: E402
 
 from checkpoint import default_checkpoint, load_model  # noqa: E402
 from distill import sample_batch  # noqa: E402
-from draft import load_head  # noqa: E402
+from draft import load_head, use_draft_vocab  # noqa: E402
+from model import eagle3_taps  # noqa: E402
 from prompts import load_conversations  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from train_draft import target_argmax, unrolled_steps  # noqa: E402
@@ -26,19 +27,21 @@ from train_draft import target_argmax, unrolled_steps  # noqa: E402
 
 @torch.no_grad()
 def agreement(head, target, answers: list, steps: int, k: int = 10) -> dict:
+    """answers: (tokens, prompt_len, hidden, fused) per turn; an EAGLE-3 head reads the fused states at step 0."""
     lm = target.output.weight.float()
     vocab = head.draft_vocab if len(head.draft_vocab) else torch.arange(len(lm))
     in_vocab = torch.zeros(len(lm), dtype=torch.bool).index_fill_(0, vocab, True)
     top1, topk, count, outside, positions = [0] * steps, [0] * steps, [0] * steps, 0, 0
     embed = target.tok_embeddings.weight.float()
-    for tokens, prompt_len, hidden in answers:
+    for tokens, prompt_len, hidden, fused in answers:
         T = len(tokens) - 1
         want_all = target_argmax(hidden.float()[None, 1:], lm)[0]  # [j]: the target's token after position j + 1
         padded = F.pad(tokens[None], (0, steps))
-        for i, h in enumerate(unrolled_steps(head, embed, padded, hidden.float()[None, :T], steps)):
+        feature = (fused if head.taps else hidden).float()[None, :T]
+        for i, h in enumerate(unrolled_steps(head, embed, padded, feature, steps)):
             slots = torch.arange(max(0, prompt_len - 1 - i), T - i)  # step i at slot j drafts the token after j + 1 + i
             want = want_all[slots + i]
-            drafted = vocab[F.linear(h[0, slots], lm[vocab]).topk(k, -1).indices]
+            drafted = head.target_ids(head.logits(h[0, slots], target.output).topk(k, -1).indices)
             top1[i] += int((drafted[:, 0] == want).sum())
             topk[i] += int((drafted == want[:, None]).any(-1).sum())
             count[i] += len(slots)
@@ -60,14 +63,13 @@ def main():
     checkpoint = default_checkpoint()
     target, tok = load_model(checkpoint, "cpu", torch.float32), load_tokenizer(checkpoint)
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=a.num_prompts)]
+    target.taps = eagle3_taps(target.args.n_layer)  # fused states too, for EAGLE-3 heads
     rows = sample_batch(target, prompts, a.max_new_tokens, torch.zeros(len(prompts)), 1.0, target.args.stop_tokens, batch=16, states=True)
-    answers = [(torch.tensor(p + new), len(p), hidden) for p, (new, hidden, _) in zip(prompts, rows)]
+    answers = [(torch.tensor(p + new), len(p), hidden, fused) for p, (new, hidden, fused) in zip(prompts, rows)]
     print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} greedy answer tokens, fp32 target")
     for spec in a.heads:
         path, _, size = spec.partition(":")
-        head = load_head(path, target.args)
-        if size:
-            head.draft_vocab = head.draft_vocab[:int(size)] if int(size) else head.draft_vocab[:0]
+        head = use_draft_vocab(load_head(path, target.args), target.output, int(size) if size else None)
         head.setup_caches(a.max_new_tokens + max(map(len, prompts)) + a.steps)
         for layer in head.layers:
             layer.attention.kv_cache = None  # unrolled_steps attends within the answer, as training does
