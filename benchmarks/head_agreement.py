@@ -1,13 +1,14 @@
 # A head's agreement with the target along the target's own greedy answers, in minutes instead of a τ run's quarter
 # hour (one thread: about 2.5 minutes for the answers, half a minute a head): the target answers N MT-bench first
 # turns greedily (batched, its states kept), then each head is unrolled over them as training unrolls it (step 0
-# reads the target's feature, its fused states for an EAGLE-3 head, step i its own step i-1 output) and scored at every answer position: how often the
-# target's argmax is the head's top-1 and lies in its top-10 at each step, and how often it lies outside the head's
-# draft vocabulary (a token no tree can hold). Step 0's top-10 bounds the first tree level's acceptance.
+# reads the target's feature, an EAGLE-3 head its fused states; step i its own step i-1 output) and scored at every
+# answer position: how often the target's argmax is the head's top-1 and lies in its top-10 at each step, and how
+# often it lies outside the head's draft vocabulary (a token no tree can hold). Step 0's top-10 bounds the first tree
+# level's acceptance.
 # Teacher-forced: a proxy for τ, not τ (bench.py measures that).
 #
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
-#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over the head's first N tokens (0: all)
+#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over an EAGLE-1/2 head's first N tokens (0: all)
 import argparse
 import os
 import sys
@@ -63,13 +64,19 @@ def main():
     checkpoint = default_checkpoint()
     target, tok = load_model(checkpoint, "cpu", torch.float32), load_tokenizer(checkpoint)
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=a.num_prompts)]
+    heads = {}
+    for spec in a.heads:  # all of them before the answers' minutes are spent
+        path, _, size = spec.partition(":")
+        try:
+            heads[spec] = use_draft_vocab(load_head(path, target.args), target.output, int(size) if size else None)
+        except (ValueError, OSError) as e:  # e.g. :N on an EAGLE-3 head, which drafts over its own vocabulary
+            print(f"error: {spec}: {e}", file=sys.stderr)
+            sys.exit(2)
     target.taps = eagle3_taps(target.args.n_layer)  # fused states too, for EAGLE-3 heads
     rows = sample_batch(target, prompts, a.max_new_tokens, torch.zeros(len(prompts)), 1.0, target.args.stop_tokens, batch=16, states=True)
     answers = [(torch.tensor(p + new), len(p), hidden, fused) for p, (new, hidden, fused) in zip(prompts, rows)]
     print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} greedy answer tokens, fp32 target")
-    for spec in a.heads:
-        path, _, size = spec.partition(":")
-        head = use_draft_vocab(load_head(path, target.args), target.output, int(size) if size else None)
+    for spec, head in heads.items():
         head.setup_caches(a.max_new_tokens + max(map(len, prompts)) + a.steps)
         for layer in head.layers:
             layer.attention.kv_cache = None  # unrolled_steps attends within the answer, as training does
