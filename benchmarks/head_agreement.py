@@ -20,7 +20,6 @@ import torch.nn.functional as F  # noqa: E402
 from checkpoint import default_checkpoint, load_model  # noqa: E402
 from distill import sample_batch  # noqa: E402
 from draft import load_head, use_draft_vocab  # noqa: E402
-from model import eagle3_taps  # noqa: E402
 from prompts import load_conversations  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from train_draft import target_argmax, unrolled_steps  # noqa: E402
@@ -72,7 +71,11 @@ def main():
         except (ValueError, OSError) as e:  # e.g. :N on an EAGLE-3 head, which drafts over its own vocabulary
             print(f"error: {spec}: {e}", file=sys.stderr)
             sys.exit(2)
-    target.taps = eagle3_taps(target.args.n_layer)  # fused states too, for EAGLE-3 heads
+    taps = {head.taps for head in heads.values() if head.taps}  # an EAGLE-3 head's layers, from its config or the official ones
+    if len(taps) > 1:
+        print(f"error: the EAGLE-3 heads read different target layers ({sorted(taps)}): compare them in separate runs", file=sys.stderr)
+        sys.exit(2)
+    target.taps = taps.pop() if taps else ()  # the fused states are kept only when a head reads them
     rows = sample_batch(target, prompts, a.max_new_tokens, torch.zeros(len(prompts)), 1.0, target.args.stop_tokens, batch=16, states=True)
     answers = [(torch.tensor(p + new), len(p), hidden, fused) for p, (new, hidden, fused) in zip(prompts, rows)]
     print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} greedy answer tokens, fp32 target")
