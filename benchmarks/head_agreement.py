@@ -9,7 +9,6 @@
 #
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over an EAGLE-1/2 head's first N tokens (0: all)
-import argparse
 import os
 import sys
 
@@ -17,7 +16,7 @@ sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from checkpoint import default_checkpoint, load_model  # noqa: E402
+from checkpoint import UsageError, UsageParser, default_checkpoint, load_model  # noqa: E402
 from distill import sample_batch  # noqa: E402
 from draft import load_head, use_draft_vocab  # noqa: E402
 from prompts import load_conversations  # noqa: E402
@@ -51,31 +50,39 @@ def agreement(head, target, answers: list, steps: int, k: int = 10) -> dict:
             "outside_vocab": outside / positions}
 
 
-def main():
-    p = argparse.ArgumentParser()
+def load_heads(specs: list, target) -> dict:
+    """Every head, loaded before the answers' minutes are spent; sets target.taps to the layers the EAGLE-3 ones read."""
+    heads = {}
+    for spec in specs:
+        path, _, size = spec.partition(":")
+        try:
+            heads[spec] = use_draft_vocab(load_head(path, target.args), target.output, int(size) if size else None)
+        except (ValueError, OSError) as e:  # e.g. :N on an EAGLE-3 head, which drafts over its own vocabulary
+            raise UsageError(f"{spec}: {e}") from None
+    taps = {head.taps for head in heads.values() if head.taps}  # an EAGLE-3 head's layers, from its config or the official ones
+    if len(taps) > 1:
+        raise UsageError(f"the EAGLE-3 heads read different target layers ({sorted(taps)}): compare them in separate runs")
+    target.taps = taps.pop() if taps else ()  # the fused states are kept only when a head reads them
+    return heads
+
+
+def main() -> int:
+    p = UsageParser()
     p.add_argument("heads", nargs="+", help="head directories, each optionally :N (draft over its first N tokens; 0: all)")
     p.add_argument("--num-prompts", type=int, default=40)
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=6, help="unrolled steps: the tree's depth")
     p.add_argument("--threads", type=int, default=1)
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
-    checkpoint = default_checkpoint()
-    target, tok = load_model(checkpoint, "cpu", torch.float32), load_tokenizer(checkpoint)
+    try:
+        a = p.parse_args()
+        torch.set_num_threads(a.threads)
+        checkpoint = default_checkpoint()
+        target, tok = load_model(checkpoint, "cpu", torch.float32), load_tokenizer(checkpoint)
+        heads = load_heads(a.heads, target)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=a.num_prompts)]
-    heads = {}
-    for spec in a.heads:  # all of them before the answers' minutes are spent
-        path, _, size = spec.partition(":")
-        try:
-            heads[spec] = use_draft_vocab(load_head(path, target.args), target.output, int(size) if size else None)
-        except (ValueError, OSError) as e:  # e.g. :N on an EAGLE-3 head, which drafts over its own vocabulary
-            print(f"error: {spec}: {e}", file=sys.stderr)
-            sys.exit(2)
-    taps = {head.taps for head in heads.values() if head.taps}  # an EAGLE-3 head's layers, from its config or the official ones
-    if len(taps) > 1:
-        print(f"error: the EAGLE-3 heads read different target layers ({sorted(taps)}): compare them in separate runs", file=sys.stderr)
-        sys.exit(2)
-    target.taps = taps.pop() if taps else ()  # the fused states are kept only when a head reads them
     rows = sample_batch(target, prompts, a.max_new_tokens, torch.zeros(len(prompts)), 1.0, target.args.stop_tokens, batch=16, states=True)
     answers = [(torch.tensor(p + new), len(p), hidden, fused) for p, (new, hidden, fused) in zip(prompts, rows)]
     print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} greedy answer tokens, fp32 target")
@@ -86,7 +93,8 @@ def main():
         r = agreement(head, target, answers, a.steps)
         print(f"{spec}: outside vocab {r['outside_vocab']:.3f}  top1 {' '.join(f'{x:.3f}' for x in r['top1'])}  "
               f"top10 {' '.join(f'{x:.3f}' for x in r['top10'])}", flush=True)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
