@@ -274,6 +274,7 @@ class PackedLinear(nn.Linear):
         self.register_buffer("packed", None, persistent=False)
         self.register_load_state_dict_post_hook(PackedLinear.repack)  # new weights, new packed copy
         self.pack()
+        batch_packed_linear()
 
     def pack(self):
         # oneDNN's bf16 kernels need a CPU it supports them on (the check Inductor's own prepacking makes); else nn.Linear
@@ -325,6 +326,23 @@ def lower_packed_linear_as_a_call():
     for op in (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary):
         lowering.lowerings.pop(op, None)
         lowering.make_fallback(op)
+
+
+@functools.cache
+def batch_packed_linear():
+    """oneDNN's packed linear has no vmap rule: under batch.py's vmap its fallback ran it once per row, each row
+    reading the whole weight (compiled: B unrolled calls), so a batch of B cost about B single steps. A linear
+    treats any leading dims as rows, so the rule is one call with the batch dim moved to the front. Not a plain
+    linear instead: on a 2-core AMD EPYC (Zen 3) fp32 unpacked it is 2x slower (LM head at 4 rows 35.6 against
+    14.4 ms)."""
+
+    def rule(info, in_dims, x, weight, bias, attr, scalars, algorithm):
+        if any(d is not None for d in in_dims[1:3]):
+            raise NotImplementedError("a packed linear batched over its weights")
+        x = x if in_dims[0] is None else x.movedim(in_dims[0], 0)
+        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, scalars, algorithm), None if in_dims[0] is None else 0
+
+    torch.library.register_vmap("mkldnn::_linear_pointwise", rule)
 
 
 # ---------------------------------------------------------------- models

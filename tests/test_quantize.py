@@ -100,6 +100,29 @@ def test_packed_linear_follows_its_weight():
         torch.testing.assert_close(twin(xb), packed(xb), rtol=0, atol=0)
 
 
+@pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
+def test_packed_linear_batches_rows_in_one_call():
+    """Under vmap (batch.py's rows) quant.PackedLinear is one packed call over every row: oneDNN's op has no
+    batching rule of its own, and vmap's fallback ran it once per row (compiled: B unrolled calls, each reading
+    the whole weight, which made a batch of B cost about B single steps)."""
+    torch.manual_seed(0)
+    linear = nn.Linear(192, 256, bias=False)
+    packed = quant.PackedLinear(linear)
+    quant.lower_packed_linear_as_a_call()
+    x = torch.randn(4, 3, 192)
+    rows = lambda x: packed(x)  # noqa: E731  (as batch.batched vmaps a step that calls the modules)
+    with torch.no_grad():
+        torch.testing.assert_close(torch.vmap(rows)(x), linear(x), rtol=1e-5, atol=1e-5)
+        torch._dynamo.reset()
+        # Uncached: the caches key the graph Dynamo traced, in which vmap is not yet expanded, so a hit would hand
+        # back whatever code an earlier process built for it. Python wrapper code, whatever an earlier test set.
+        inductor = dict(fx_graph_cache=False, cpp_wrapper=False)
+        with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(inductor):
+            out, (code, *_) = run_and_get_code(torch.compile(torch.vmap(rows), fullgraph=True), x)
+    torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+    assert code.count("_linear_pointwise.default(") == 1, code
+
+
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("mode,groupsize", CASES)
 def test_quant_linear_cuda_bf16(mode, groupsize):
