@@ -17,8 +17,9 @@ from model import KVCache
 CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
 # --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. On a 2-core
 # AMD EPYC without AVX-512 (Zen 3) oneDNN's one-row fp32 linears stream 10 GB/s of a 24 GB/s DRAM and the templates
-# 17.7: the fp32 decode step 48.7 -> 29.3 ms (BENCHMARKS.md). The weights become graph constants, which Inductor's FX
-# graph cache refuses as it comes (cache_frozen_graphs makes it store them).
+# 17.7: the fp32 decode step 48.7 -> 29.3 ms (BENCHMARKS.md); on a Zen 4 with AVX-512 BF16 the bf16 step 17.5 -> 10.4
+# ms. The weights become graph constants, which Inductor's FX graph cache refuses as it comes (cache_frozen_graphs
+# makes it store them).
 CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
 CUDA_INDUCTOR = {"coordinate_descent_tuning": True}

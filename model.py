@@ -97,28 +97,18 @@ class KVCache(nn.Module):
         shape = (batch, heads, length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        # A tree verify's own rows (Transformer.setup_tree), kept out of the cache until commit keeps the accepted ones
-        self.register_buffer("k_tree", None, persistent=False)
-        self.register_buffer("v_tree", None, persistent=False)
 
     # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
     # rule, and its per-row fallback copied the whole cache at every write (7.6 ms against 0.1 for 30 layers at B=4).
-    def update(self, cache_pos: Optional[Tensor], k: Tensor, v: Tensor, width: int):
-        if cache_pos is None:  # a tree verify: the first width - T slots, then the tree's rows, which wait in k_tree
-            self.k_tree[:, :, : k.shape[2]].copy_(k)  # a tree may come out smaller than the room for it
-            self.v_tree[:, :, : v.shape[2]].copy_(v)
-            committed = width - k.shape[2]
-            return torch.cat([self.k_cache[:, :, :committed], k], 2), torch.cat([self.v_cache[:, :, :committed], v], 2)
+    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor, width: int):
         self.k_cache.transpose(0, 2).index_put_((cache_pos,), k.transpose(0, 2))
         self.v_cache.transpose(0, 2).index_put_((cache_pos,), v.transpose(0, 2))
         return self.k_cache[:, :, :width], self.v_cache[:, :, :width]  # the first width slots: what the mask covers
 
-    def keep(self, rows: Tensor, dst: Tensor):
-        """The tree's rows (update(None, ...)) into slots dst. The cache's one write in a cycle: a graph that writes a
-        buffer twice (the tree's rows, then the accepted ones moved) copies the whole cache twice, as Inductor
-        reinplaces only the write that is copied back to the graph's input (2 ms of a 33 ms bf16 cycle at 512 slots)."""
-        for cache, tree in ((self.k_cache, self.k_tree), (self.v_cache, self.v_tree)):
-            cache.transpose(0, 2).index_put_((dst,), tree.transpose(0, 2)[rows])
+    def move(self, src: Tensor, dst: Tensor):
+        # The gather copies first, so overlapping source and destination slots are safe.
+        for cache in (self.k_cache.transpose(0, 2), self.v_cache.transpose(0, 2)):
+            cache.index_put_((dst,), cache[src])
 
 
 class RMSNorm(nn.Module):
@@ -233,18 +223,10 @@ class Transformer(nn.Module):
             a.kv_cache = KVCache(batch, a.n_kv, max_seq_length, a.head_dim, dtype).to(device)
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(device), persistent=False)
 
-    def setup_tree(self, rows: int):
-        """Room in every layer for a tree verify's own K/V rows, at most rows of them (hidden() with cache_pos None)."""
+    def move_kv(self, src: Tensor, dst: Tensor):
+        """Copies every layer's KV rows at slots src to slots dst (a speculative commit compacts accepted rows)."""
         for layer in self.layers:
-            c = layer.attention.kv_cache
-            if c.k_tree is None or c.k_tree.shape[2] != rows:
-                (B, H, _, D), like = c.k_cache.shape, c.k_cache
-                c.k_tree, c.v_tree = (torch.zeros(B, H, rows, D, dtype=like.dtype, device=like.device) for _ in range(2))
-
-    def keep_kv(self, rows: Tensor, dst: Tensor):
-        """Every layer's K/V of the last tree verify's rows into cache slots dst (a speculative commit)."""
-        for layer in self.layers:
-            layer.attention.kv_cache.keep(rows, dst)
+            layer.attention.kv_cache.move(src, dst)
 
     def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> tuple:
         """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads).
@@ -253,9 +235,7 @@ class Transformer(nn.Module):
         the hidden states entering those layers, concatenated [B, T, len(taps) * dim]: taken from the
         forward that runs anyway, never from an extra pass.
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots;
-        mask [T, S] or [B, T, S] bool over the first S cache slots (True = may attend; live_width).
-        cache_pos None (a tree verify, setup_tree): the cache is read, not written; the mask covers its first S - T
-        slots and then these T tokens, whose K/V wait for keep_kv."""
+        mask [T, S] or [B, T, S] bool over the first S cache slots (True = may attend; live_width)."""
         x = self.tok_embeddings(idx)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
