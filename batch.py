@@ -21,7 +21,7 @@ def cut(new: list, room: int, stop_ids: set) -> list:
 
 def written(target, drafter, state) -> tuple:
     """The buffers a step writes, as three dicts {name: buffer}: the target's and the drafter's KV caches, the SpecState."""
-    caches = lambda model: {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache"))}  # noqa: E731
+    caches = lambda model: {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache", "k_tree", "v_tree"))}  # noqa: E731
     return caches(target), caches(drafter), dict(state.named_buffers()) if state is not None else {}
 
 

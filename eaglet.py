@@ -232,6 +232,8 @@ class Generator:
         length = find_multiple(max_len + extra, 256)  # rounded up and only grown: compiled steps see few cache shapes
         if self.target.max_seq_length < length:
             self.target.setup_caches(length)
+        if self.spec and self.spec.mode not in CHAINS:
+            self.target.setup_tree(self.spec.verify_len)  # (again) after new caches: where a verify's tree waits
         if self.head is not None and self.head.max_seq_length != self.target.max_seq_length + self.spec.scratch:
             self.head.setup_caches(self.target.max_seq_length + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
         if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:

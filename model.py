@@ -97,18 +97,28 @@ class KVCache(nn.Module):
         shape = (batch, heads, length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
+        # A tree verify's own rows (Transformer.setup_tree), kept out of the cache until commit keeps the accepted ones
+        self.register_buffer("k_tree", None, persistent=False)
+        self.register_buffer("v_tree", None, persistent=False)
 
     # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
     # rule, and its per-row fallback copied the whole cache at every write (7.6 ms against 0.1 for 30 layers at B=4).
-    def update(self, cache_pos: Tensor, k: Tensor, v: Tensor, width: int):
+    def update(self, cache_pos: Optional[Tensor], k: Tensor, v: Tensor, width: int):
+        if cache_pos is None:  # a tree verify: the first width - T slots as they are; the tree's rows wait in k_tree
+            self.k_tree[:, :, : k.shape[2]].copy_(k)  # a tree may come out smaller than the room for it
+            self.v_tree[:, :, : v.shape[2]].copy_(v)
+            committed = width - k.shape[2]
+            return self.k_cache[:, :, :committed], self.v_cache[:, :, :committed]
         self.k_cache.transpose(0, 2).index_put_((cache_pos,), k.transpose(0, 2))
         self.v_cache.transpose(0, 2).index_put_((cache_pos,), v.transpose(0, 2))
         return self.k_cache[:, :, :width], self.v_cache[:, :, :width]  # the first width slots: what the mask covers
 
-    def move(self, src: Tensor, dst: Tensor):
-        # The gather copies first, so overlapping source and destination slots are safe.
-        for cache in (self.k_cache.transpose(0, 2), self.v_cache.transpose(0, 2)):
-            cache.index_put_((dst,), cache[src])
+    def keep(self, rows: Tensor, dst: Tensor):
+        """The tree's rows (update(None, ...)) into slots dst. The cache's one write in a cycle: a graph that writes a
+        buffer twice (the tree's rows, then the accepted ones moved) copies the whole cache twice, as Inductor
+        reinplaces only the write that is copied back to the graph's input (2 ms of a 33 ms bf16 cycle at 512 slots)."""
+        for cache, tree in ((self.k_cache, self.k_tree), (self.v_cache, self.v_tree)):
+            cache.transpose(0, 2).index_put_((dst,), tree.transpose(0, 2)[rows])
 
 
 class RMSNorm(nn.Module):
@@ -138,6 +148,9 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
+        if self.kv_cache is not None and cache_pos is None:  # a tree verify: the cache read in place, the tree beside it
+            y = attend_few(q, *self.kv_cache.update(None, k, v, mask.shape[-1]), mask, tree=(k, v))
+            return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v, mask.shape[-1])
         # statically_known_true: a graph for any number of rows (the prefill) keeps SDPA instead of guarding on T.
@@ -153,24 +166,29 @@ class Attention(nn.Module):
 FEW_QUERIES = 256
 
 
-def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
+def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tensor:
     """Attention for a few queries per row: q [B, H, T, D], k/v [B, Hkv, S, D], bool mask [T, S], [B, 1, T, S]
-    or [B, H, T, S]. Each group of heads that shares a KV head reads the cache in one matmul."""
-    (B, H, T, D), n_kv = q.shape, k.shape[1]
+    or [B, H, T, S]. Each group of heads that shares a KV head reads the cache in one matmul. tree: (k, v) of
+    more keys after the S (a tree verify's own rows), read in their own matmuls and meeting the cache's in one
+    softmax, so that the cache is not copied to join them; the mask covers both."""
+    (B, H, T, D), n_kv, S = q.shape, k.shape[1], k.shape[2]
     G = H // n_kv
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
     # Compiled with one query, the products and sums fuse into one loop over the cache; as matmuls they were an
     # extern call each, 20 us per layer (issue 14). Otherwise, and eagerly, the matmuls win.
-    if fused := torch.compiler.is_compiling() and T == 1:
+    if fused := torch.compiler.is_compiling() and T == 1 and tree is None:
         scores = (q.view(B, n_kv, G, 1, 1, D).float() * k[:, :, None, None].float()).sum(-1)  # [B, Hkv, G, 1, S]
     else:
-        scores = (q.reshape(B, n_kv, G * T, D) @ k.transpose(-1, -2)).float().view(B, n_kv, G, T, -1)
+        qg = q.reshape(B, n_kv, G * T, D)
+        scores = torch.cat([qg @ k.transpose(-1, -2)] + ([qg @ tree[0].transpose(-1, -2)] if tree else []), -1)
+        scores = scores.float().view(B, n_kv, G, T, -1)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)
     if fused:
         y = (probs.unsqueeze(-1) * v[:, :, None, None].float()).sum(-2)
     else:
-        y = (probs.to(v.dtype).view(B, n_kv, G * T, -1) @ v).view(B, n_kv, G, T, D)
+        probs = probs.to(v.dtype).view(B, n_kv, G * T, -1)
+        y = probs[..., :S] @ v + probs[..., S:] @ tree[1] if tree else probs @ v
     return y.to(v.dtype).view(B, H, T, D)
 
 
@@ -223,10 +241,18 @@ class Transformer(nn.Module):
             a.kv_cache = KVCache(batch, a.n_kv, max_seq_length, a.head_dim, dtype).to(device)
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(device), persistent=False)
 
-    def move_kv(self, src: Tensor, dst: Tensor):
-        """Copies every layer's KV rows at slots src to slots dst (a speculative commit compacts accepted rows)."""
+    def setup_tree(self, rows: int):
+        """Room in every layer for a tree verify's own K/V rows, at most rows of them (hidden() with cache_pos None)."""
         for layer in self.layers:
-            layer.attention.kv_cache.move(src, dst)
+            c = layer.attention.kv_cache
+            if c.k_tree is None or c.k_tree.shape[2] != rows:
+                (B, H, _, D), like = c.k_cache.shape, c.k_cache
+                c.k_tree, c.v_tree = (torch.zeros(B, H, rows, D, dtype=like.dtype, device=like.device) for _ in range(2))
+
+    def keep_kv(self, rows: Tensor, dst: Tensor):
+        """Every layer's K/V of the last tree verify's rows into cache slots dst (a speculative commit)."""
+        for layer in self.layers:
+            layer.attention.kv_cache.keep(rows, dst)
 
     def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> tuple:
         """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads).
@@ -235,7 +261,9 @@ class Transformer(nn.Module):
         the hidden states entering those layers, concatenated [B, T, len(taps) * dim]: taken from the
         forward that runs anyway, never from an extra pass.
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots;
-        mask [T, S] or [B, T, S] bool over the first S cache slots (True = may attend; live_width)."""
+        mask [T, S] or [B, T, S] bool over the first S cache slots (True = may attend; live_width).
+        cache_pos None (a tree verify, setup_tree): the cache is read, not written; the mask covers its first S - T
+        slots and then these T tokens, whose K/V wait for keep_kv."""
         x = self.tok_embeddings(idx)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask

@@ -157,24 +157,28 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
 
 
-def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor):
-    """One target forward over the tree at slots L.., positions L + depth, each node seeing the
-    committed context and its ancestors."""
+def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor, chain: bool = False):
+    """One target forward over the tree at positions L + depth, each node seeing the committed context and its
+    ancestors. A tree's K/V wait in the layers' k_tree for commit to keep the accepted rows (one cache write a
+    cycle: KVCache.keep); a chain's rows go to slots L.. at once, where commit leaves them."""
     n = tokens.shape[0]
+    if not chain:
+        committed = torch.arange(live_width(st.L - 1, target.max_seq_length), device=tokens.device) < st.L
+        logits, h = target(tokens[None], st.L + depths, None, torch.cat([committed.expand(n, -1), anc], -1))
+        return logits[0], h[0]
     rel = torch.arange(live_width(st.L + n - 1, target.max_seq_length), device=tokens.device) - st.L
     in_tree = (rel >= 0) & (rel < n)
     mask = (rel < 0) | (anc[:, rel.clamp(0, n - 1)] & in_tree)
-    slots = st.L + torch.arange(n, device=tokens.device)
-    logits, h = target(tokens[None], st.L + depths, slots, mask)
+    logits, h = target(tokens[None], st.L + depths, st.L + torch.arange(n, device=tokens.device), mask)
     return logits[0], h[0]
 
 
 def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h, chain: bool = False):
-    """Moves the root's and accepted nodes' KV rows to [L, L+depth] (always depth+1 rows, fixed shape; rows past
-    accept_len are garbage beyond the new length; a chain's rows are in place, not moved) and queues their features."""
+    """Writes the root's and accepted nodes' KV rows to slots [L, L+depth] (always depth+1 rows, fixed shape; rows
+    past accept_len are garbage beyond the new length; a chain's rows are in place already) and queues their features."""
     rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
     if not chain:
-        target.move_kv(st.L + path, st.L + rows)
+        target.keep_kv(path, st.L + rows)
     nxt = torch.cat([tokens[path[1:]], bonus.view(1)])
     nxt = torch.where(rows == accept_len, bonus, nxt)
     st.pend_feat[: rows.shape[0]].copy_(h[path])
@@ -221,7 +225,7 @@ def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Ten
     k = tokens.shape[0] - 1
     chain = torch.arange(k + 1, device=tokens.device)
     parents = (chain - 1).clamp(min=0)
-    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain)
+    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain, chain=True)
     if qs is None:
         accept_len, path, bonus = spectree.accept(tokens, parents, chain, sampling.draw(logits), k)
     else:

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch._dynamo
 import torch._inductor.config as inductor_config
+from torch._inductor.utils import run_and_get_code
 
 import compiling
 import spectree
@@ -75,6 +76,25 @@ def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, ran
         reused = compiled.generate(turn, 24, Sampling(), reuse=True)
         assert reused.prefilled < len(turn) // 2 or (spec and spec.mode == "sps")  # a draft LLM always prefills afresh
         assert reused.token_ids == eager.generate(turn, 24, Sampling()).token_ids
+
+
+@pytest.mark.parametrize("batch", [1, 2])
+def test_the_compiled_tree_cycle_writes_the_cache_without_copying_it(tiny_args, random_model, random_head, single_thread, batch):
+    """A graph that writes a buffer twice (a verify's tree rows, then the accepted ones moved) made Inductor copy
+    each layer's whole KV cache twice a cycle, a cost that grows with the cache; the tree now waits in k_tree and
+    commit writes the cache once. Alone and as batch.py's rows, the cycle's code holds no loop over a whole cache."""
+    args = tiny_args(block_size=1024)  # 768 cache slots: a loop over a whole cache has a bound no other loop has
+    gen = Generator(random_model(args, seed=0), SPECS[1], head=random_head(args, seed=1), compile=True)
+    torch._dynamo.reset()
+    inductor = dict(fx_graph_cache=False, cpp_wrapper=False)  # caches would hand back code built before
+    with torch._functorch.config.patch(enable_autograd_cache=False), inductor_config.patch(inductor):
+        run = (lambda: gen.generate(prompts([700])[0], 24, Sampling())) if batch == 1 else (
+            lambda: gen.generate_batch(prompts([700, 650]), 24, Sampling()))
+        _, code = run_and_get_code(run)
+    cache = gen.target.layers[0].attention.kv_cache.k_cache
+    whole = [f"static_cast<int64_t>({batch * cache.numel()}L)", f"static_cast<int64_t>({batch * cache.numel() // 2}L)"]
+    cycle = [c for c in code if "argmax" in c and "index_put" in c]  # the cycle's graph: draws, then commits
+    assert cycle and not any(w in c for w in whole for c in cycle)
 
 
 def test_many_tree_shapes_in_one_process_each_get_their_own_compile_cache(tiny_args, random_model, random_head, single_thread, monkeypatch):
