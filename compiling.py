@@ -1,26 +1,19 @@
 # How the steps are compiled: torch.compile with each device's Inductor settings, set in this one place, and the
-# CPU's weights prepacked for oneDNN (quant.PackedLinear) or, under --compile max, frozen for Inductor's GEMM templates;
-# the CLI's --compile (auto) takes whichever of the two measured faster on this CPU (choose).
+# CPU's weights prepacked for oneDNN (quant.PackedLinear) or, under --compile max, frozen for Inductor's GEMM templates.
 import hashlib
 import itertools
-import time
 import types
 
 import torch
-import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import cache
-import dtypes
 import quant
-import tp
 from model import KVCache
 
 # Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
 # on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
 # answer to CUDA graphs). The weights come prepacked for oneDNN (quant.PackedLinear), not frozen: one copy for every
-# graph, where each frozen graph holds its own. max_autotune (CPP GEMM templates) measured slower at one row there
-# and on an Intel Xeon, faster on later EPYCs: see choose.
+# graph, where each frozen graph holds its own. max_autotune (CPP GEMM templates) measured slower at one row there.
 CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
 # --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. On a 2-core
 # AMD EPYC without AVX-512 (Zen 3) oneDNN's one-row fp32 linears stream 10 GB/s of a 24 GB/s DRAM and the templates
@@ -30,66 +23,6 @@ CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
 CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
 CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
-
-
-COMPILE_CHOICES = ("auto", "max", "packed")  # the CLI's --compile values (packed: True)
-CACHE = "compile.json"
-# Templates must win clearly: they cost minutes more to compile the first time, and GiB of FX graph cache.
-MIN_GAIN = 1.25
-
-
-def choose(compile, target, log=print):
-    """compile "auto" (generate.py's and bench.py's --compile) -> True or "max": on a CPU "max" where Inductor's GEMM templates ran
-    one-row linears MIN_GAIN x faster than oneDNN's packed GEMV in the target's dtype, measured once per machine and
-    cached like the dtype; else True. The CPUs differ: on the 2-core AMD EPYCs the templates won 1.7-2.2x (Zen 3
-    fp32, Zen 4 bf16: the bf16 decode step 17.5 -> 10.4 ms, and eagle2 faster too), on an Intel Xeon they lost
-    (26.3 against 10.4 ms a step). A quantised target follows its activations' dtype: in bf16 the templates' int8
-    kernel won as the float one did (Zen 4: int8 decoding 118 tok/s under max, 70 packed); in fp32 it keeps packed,
-    whose int8_rows_mm / int4_rows_mm kernels freezing turns off (quant.compiling_unfrozen). "packed" -> True;
-    other values pass through."""
-    weight = target.tok_embeddings.weight
-    if compile != "auto":
-        return True if compile == "packed" else compile
-    quantised = any(isinstance(m, quant.QuantLinear) for m in target.modules())
-    if weight.device.type != "cpu" or (quantised and weight.dtype == torch.float32):
-        return True
-    key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype}"
-    entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
-    if entry is None:
-        log(f"timing Inductor's GEMM templates against oneDNN on this CPU, {weight.dtype} (once; about a minute)")
-        entry = tp.from_rank0(measure_gemv(weight.dtype))
-        entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "default"
-        cache.store(CACHE, key, entry)
-        log(f"--compile: {entry['choice']} (one-row linears: oneDNN packed {entry['packed_ms']} ms, GEMM templates "
-            f"{entry['template_ms']} ms; cached in {cache.cache_dir() / CACHE}; --compile max or packed overrides)")
-    return "max" if entry["choice"] == "max" else True
-
-
-@torch.no_grad()  # freezing wants it
-def measure_gemv(dtype, reps: int = 15) -> dict:
-    """One row through dtypes.py's three matrices (more than an L3 cache, as a model's decode step reads), compiled
-    both ways: milliseconds per pass, the least disturbed of reps, the two taking turns."""
-    g = torch.Generator().manual_seed(0)
-    runs = []
-    for settings in (CPU_INDUCTOR, CPU_INDUCTOR_MAX):
-        layers = nn.Sequential(*(nn.Linear(i, o, bias=False) for o, i in ((2048, 2048), (5632, 2048), (2048, 5632))))
-        for layer in layers:
-            layer.weight.copy_(torch.randn(layer.weight.shape, generator=g) * 0.02)
-        layers = layers.to(dtype)
-        if settings is CPU_INDUCTOR:
-            quant.pack_linears(layers)
-        fn = torch.compile(layers)
-        x = torch.randn(1, 2048, dtype=dtype, generator=g)
-        with torch._inductor.config.patch(settings | {"fx_graph_cache": False}):
-            fn(x)  # compiles (and autotunes) under these settings
-        runs.append((fn, x))
-    best = [float("inf")] * len(runs)
-    for _ in range(reps):
-        for i, (fn, x) in enumerate(runs):
-            t0 = time.perf_counter()
-            fn(x)
-            best[i] = min(best[i], time.perf_counter() - t0)
-    return {"packed_ms": round(1000 * best[0], 3), "template_ms": round(1000 * best[1], 3)}
 
 
 def compiled(fn, device=None, frozen=None, **kw):
