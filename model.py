@@ -97,9 +97,8 @@ class KVCache(nn.Module):
         shape = (batch, heads, length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        # A tree verify's own rows (Transformer.setup_tree), kept out of the cache until commit keeps the accepted ones
-        self.register_buffer("k_tree", None, persistent=False)
-        self.register_buffer("v_tree", None, persistent=False)
+        for name in ("k_tree", "v_tree"):  # a tree verify's own rows (Transformer.setup_tree), until commit keeps some
+            self.register_buffer(name, None, persistent=False)
 
     # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
     # rule, and its per-row fallback copied the whole cache at every write (7.6 ms against 0.1 for 30 layers at B=4).
@@ -114,9 +113,8 @@ class KVCache(nn.Module):
         return self.k_cache[:, :, :width], self.v_cache[:, :, :width]  # the first width slots: what the mask covers
 
     def keep(self, rows: Tensor, dst: Tensor):
-        """The tree's rows (update(None, ...)) into slots dst. The cache's one write in a cycle: a graph that writes a
-        buffer twice (the tree's rows, then the accepted ones moved) copies the whole cache twice, as Inductor
-        reinplaces only the write that is copied back to the graph's input (2 ms of a 33 ms bf16 cycle at 512 slots)."""
+        """The tree's rows (update(None, ...)) into slots dst, the cache's one write a cycle: Inductor copied the whole
+        cache of a graph that wrote it twice (tree rows, then accepted ones moved), reinplacing only the last write."""
         for cache, tree in ((self.k_cache, self.k_tree), (self.v_cache, self.v_tree)):
             cache.transpose(0, 2).index_put_((dst,), tree.transpose(0, 2)[rows])
 
@@ -148,14 +146,12 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        if self.kv_cache is not None and cache_pos is None:  # a tree verify: the cache read in place, the tree beside it
-            y = attend_few(q, *self.kv_cache.update(None, k, v, mask.shape[-1]), mask, tree=(k, v))
-            return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
+        tree = (k, v) if self.kv_cache is not None and cache_pos is None else None  # a tree verify: read beside the cache
         if self.kv_cache is not None:
             k, v = self.kv_cache.update(cache_pos, k, v, mask.shape[-1])
         # statically_known_true: a graph for any number of rows (the prefill) keeps SDPA instead of guarding on T.
-        if self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
-            y = attend_few(q, k, v, mask)
+        if tree or self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
+            y = attend_few(q, k, v, mask, tree)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
@@ -246,8 +242,7 @@ class Transformer(nn.Module):
         for layer in self.layers:
             c = layer.attention.kv_cache
             if c.k_tree is None or c.k_tree.shape[2] != rows:
-                (B, H, _, D), like = c.k_cache.shape, c.k_cache
-                c.k_tree, c.v_tree = (torch.zeros(B, H, rows, D, dtype=like.dtype, device=like.device) for _ in range(2))
+                c.k_tree, c.v_tree = (c.k_cache.new_zeros(*c.k_cache.shape[:2], rows, c.k_cache.shape[3]) for _ in range(2))
 
     def keep_kv(self, rows: Tensor, dst: Tensor):
         """Every layer's K/V of the last tree verify's rows into cache slots dst (a speculative commit)."""
