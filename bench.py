@@ -18,7 +18,7 @@ import quant
 import sizing
 import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint
-from compiling import sizing_compile
+from compiling import COMPILE_CHOICES, choose, sizing_compile
 from draft import EagleHead
 from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill
 from model import ModelArgs, Transformer, find_multiple
@@ -139,6 +139,7 @@ def report(a, gen: Generator, conversations, modes: dict) -> dict:
 def bench(a) -> dict:
     base, tokenizer = load_generator(a.checkpoint, a.draft, "none", **mode_options(a, "none"))
     target, margs = base.target, base.target.args
+    asked, a.compile = a.compile, choose(a.compile, target)  # resolved once: the modes and the report share it
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
     results, outputs = {}, {}
@@ -158,7 +159,7 @@ def bench(a) -> dict:
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
         qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
         name = f"none {q}"
-        results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=a.compile), tokenizer, margs, conversations, a, sampling)
+        results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=choose(asked, qtarget)), tokenizer, margs, conversations, a, sampling)
         results[name]["mode"] = name
         results[name]["logit_error"] = logit_error(target, qtarget, tokenizer, margs, conversations)
         _partial(a, base, conversations, results)
@@ -276,6 +277,7 @@ def sweep(a) -> dict:
     fastest is recorded as this device's default."""
     base, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", **mode_options(a, "eagle2"))
     target, head, margs = base.target, base.head, base.target.args
+    a.compile = choose(a.compile, target)
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
                                 compile_fn=sizing_compile(target, head, a.compile) if a.compile else None)
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
@@ -308,6 +310,7 @@ def shape_bench(a) -> dict:
         head = EagleHead(replace(args, n_layer=1)).to(dtype).eval()
     if a.quantize:
         quant.quantize_model(target, a.quantize, a.groupsize if a.quantize == "int4" else 0)
+    a.compile = choose(a.compile, target)
     prompt = torch.randint(0, args.vocab_size, (512,), generator=torch.Generator().manual_seed(a.seed)).tolist()
     spec = TreeSpec("eagle2", depth=a.depth or 6, topk=a.topk or 10, num_draft_tokens=a.num_draft_tokens or 60)
     rows = {}
@@ -390,8 +393,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["max"],
-                   help="torch.compile the steps; --compile max: GEMM templates over frozen weights on a CPU (README)")
+    p.add_argument("--compile", nargs="?", const="auto", default=False, choices=COMPILE_CHOICES,
+                   help="torch.compile the steps; on a CPU auto (the default): packed or max, whichever measured faster here (README)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)

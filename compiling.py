@@ -1,19 +1,31 @@
 # How the steps are compiled: torch.compile with each device's Inductor settings, set in this one place, and the
-# CPU's weights prepacked for oneDNN (quant.PackedLinear) or, under --compile max, frozen for Inductor's GEMM templates.
+# CPU's weights prepacked for oneDNN (quant.PackedLinear) or, under --compile max, frozen for Inductor's GEMM templates;
+# the CLI's --compile (auto) takes whichever of the two measured faster on this CPU (choose).
 import hashlib
 import itertools
+import json
+import math
+import subprocess
+import sys
+import time
 import types
+from dataclasses import asdict, replace
+from pathlib import Path
 
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import cache
+import dtypes
 import quant
-from model import KVCache
+import tp
+from model import KVCache, ModelArgs, Transformer, causal_mask
 
 # Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
 # on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
 # answer to CUDA graphs). The weights come prepacked for oneDNN (quant.PackedLinear), not frozen: one copy for every
-# graph, where each frozen graph holds its own. max_autotune (CPP GEMM templates) measured slower at one row there.
+# graph, where each frozen graph holds its own. max_autotune (CPP GEMM templates) measured slower at one row there
+# and on an Intel Xeon, faster on later EPYCs: see choose.
 CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
 # --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. On a 2-core
 # AMD EPYC without AVX-512 (Zen 3) oneDNN's one-row fp32 linears stream 10 GB/s of a 24 GB/s DRAM and the templates
@@ -23,6 +35,95 @@ CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
 CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
 # CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
 CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
+
+
+COMPILE_CHOICES = ("auto", "max", "packed")  # the CLI's --compile values (packed: True)
+CACHE = "compile.json"
+# Templates must win clearly: they cost minutes more to compile the first time, and GiB of FX graph cache.
+MIN_GAIN = 1.2
+
+
+def choose(compile, target, log=print):
+    """compile "auto" (generate.py's and bench.py's --compile) -> True or "max": on a CPU "max" where a compiled
+    one-row decode step of the target's shapes ran MIN_GAIN x faster under Inductor's GEMM templates than over
+    oneDNN's packed weights, measured once per machine, dtype and shapes and cached like the dtype; else True.
+    A whole step, not its linears alone: on the Zen 4 box one row through the layer linears timed 1.03x where the
+    step gains 1.7x. The CPUs differ: on the 2-core AMD EPYCs the templates won 1.7x (Zen 3 fp32, Zen 4 bf16: 16.6
+    -> 9.7 ms a step, and eagle2 and lookup faster too), on an Intel Xeon they lost (26.3 against 10.4 ms a step).
+    A quantised target follows its activations' dtype: in bf16 the templates' int8 kernel won as the float one did
+    (Zen 4: int8 decoding 118 tok/s under max, 70 packed); in fp32 it keeps packed, whose int8_rows_mm / int4_rows_mm
+    kernels freezing turns off (quant.compiling_unfrozen). "packed" -> True; other values pass through."""
+    weight = target.tok_embeddings.weight
+    if compile != "auto":
+        return True if compile == "packed" else compile
+    quantised = any(isinstance(m, quant.QuantLinear) for m in target.modules())
+    if weight.device.type != "cpu" or (quantised and weight.dtype == torch.float32):
+        return True
+    a = step_args(target.args, weight.element_size())
+    key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
+          f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer}"
+    entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
+    if entry is None:
+        log(f"timing a compiled decode step with Inductor's GEMM templates and with oneDNN on this CPU, {weight.dtype} "
+            f"(once; a few minutes)")
+        try:
+            entry = tp.from_rank0(measure_step(a, weight.dtype))
+            entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
+        except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
+            entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
+        cache.store(CACHE, key, entry)
+        log(f"--compile: {entry['choice']} (a decode step: oneDNN packed {entry['packed_ms']} ms, GEMM templates "
+            f"{entry['template_ms']} ms; cached in {cache.cache_dir() / CACHE}; --compile max or packed overrides)")
+    return "max" if entry["choice"] == "max" else True
+
+
+def step_args(args, element_size: int, min_bytes: int = 128 << 20):
+    """The target's ModelArgs cut to the layers whose weights, with the LM head's, hold min_bytes (four times a 32 MB
+    L3: a decode step streams its weights from memory), or all of them."""
+    layer = args.dim * (args.n_head + 2 * args.n_local_heads) * args.head_dim + args.n_head * args.head_dim * args.dim \
+        + 3 * args.dim * args.intermediate_size
+    head = args.vocab_size * args.dim
+    return replace(args, n_layer=max(1, min(args.n_layer, math.ceil((min_bytes / element_size - head) / layer))))
+
+
+def _decode(model, token, pos):
+    return model(token, pos, pos, causal_mask(pos, model.max_seq_length))[0]
+
+
+def measure_step(args, dtype) -> dict:
+    """A one-row decode step of a Transformer(args) with random weights, compiled with the GEMM templates and
+    packed (as a Generator compiles its steps, the FX graph cache left out): {"template_ms", "packed_ms"}. Timed in a
+    child process, the templates first: once a model is packed for oneDNN, Inductor lowers its linear as a plain call
+    for the rest of the process (quant.lower_packed_linear_as_a_call), so a frozen graph compiled after it would run
+    oneDNN too (so measured by mistake once: 1.04x where the step gains 1.7x)."""
+    dtype = str(dtype).removeprefix("torch.")
+    child = [sys.executable, "-c", "import compiling, sys; compiling.time_steps(*sys.argv[1:])", json.dumps(asdict(args)), dtype]
+    run = subprocess.run(child, cwd=Path(__file__).parent, capture_output=True, text=True)
+    if run.returncode:
+        raise RuntimeError(f"timing the decode step failed: {run.stderr.strip().splitlines()[-1:]}")
+    return json.loads(run.stdout.strip().splitlines()[-1])
+
+
+@torch.no_grad()  # freezing wants it
+def time_steps(args: str, dtype: str, reps: int = 20, slots: int = 256):
+    """measure_step's child: prints the two times as JSON, the least disturbed of reps, the two taking turns."""
+    runs = {}
+    for name, setting in (("template_ms", "max"), ("packed_ms", True)):
+        torch.manual_seed(0)
+        model = Transformer(ModelArgs(**json.loads(args))).to(getattr(torch, dtype)).eval()
+        model.setup_caches(slots)
+        step = compiled(_decode, "cpu", prepare(setting, "cpu", model))
+        with torch._inductor.config.patch(fx_graph_cache=False):
+            step(model, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # compiles (and autotunes)
+        runs[name] = (step, model)
+    best = dict.fromkeys(runs, float("inf"))
+    for i in range(reps):
+        token, pos = torch.full((1, 1), i + 1), torch.full((1,), i + 1)
+        for name, (step, model) in runs.items():
+            t0 = time.perf_counter()
+            step(model, token, pos)
+            best[name] = min(best[name], time.perf_counter() - t0)
+    print(json.dumps({name: round(1000 * t, 3) for name, t in best.items()}))
 
 
 def compiled(fn, device=None, frozen=None, **kw):

@@ -17,7 +17,7 @@ import dtypes
 import sizing
 import tp
 from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
-from compiling import compiled, prepare, sizing_compile
+from compiling import choose, compiled, prepare, sizing_compile
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
@@ -32,14 +32,15 @@ log_stderr = functools.partial(print, file=sys.stderr)
 
 # ---------------------------------------------------------------- loading
 
-def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile: bool = False,
+def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile=False,
                    depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, draft_checkpoint=None,
                    lookup_slots=None, target: Optional[Transformer] = None, log=log_stderr) -> tuple:
     """-> (Generator, tokenizer). Raises UsageError on bad input.
 
     checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
     (None: the shipped head of the default model); speculate: none | eagle2 | eagle | sps | lookup.
-    device, dtype (str or torch.dtype): None picks CUDA if present and the dtype this device decodes fastest.
+    device, dtype (str or torch.dtype): None picks CUDA if present and the dtype this device decodes fastest;
+    compile: False, True or "packed", "max", "auto" (a CPU's faster of the two, measured: compiling.choose).
     depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
     lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (dead when the text has none; default
     min(3, depth), 0 turns them off);
@@ -54,6 +55,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
         raise UsageError(str(e)) from None
     if target is None:
         target = load_target(checkpoint, device, dtype, log)
+    compile = choose(compile, target, log)
     if speculate in ("eagle", "eagle2"):
         draft = draft or (DEFAULT_HEAD if default else None)
         if draft is None:
@@ -214,8 +216,8 @@ class Generator:
         self.rows = None
         self.batch_cycle = batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
-        if compile:  # True, or "max" (compiling.prepare)
-            frozen = prepare(compile, self.device, target, head, draft_model)
+        if compile:  # True (packed), "max" (compiling.prepare) or "auto" (compiling.choose)
+            frozen = prepare(choose(compile, target, log_stderr), self.device, target, head, draft_model)
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
             self.prefill = compiled(prefill, self.device, frozen, dynamic=True)
             self.decode_one = compiled(decode_one, self.device, frozen, mode=mode)

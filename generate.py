@@ -10,6 +10,7 @@ import torch
 
 import tp
 from checkpoint import UsageError, UsageParser
+from compiling import COMPILE_CHOICES
 from eaglet import check_sampling, load_generator
 from prompts import load_conversations
 from speculate import MODES
@@ -31,10 +32,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, measured once per machine (dtypes.py)")
-    p.add_argument("--compile", nargs="?", const=True, default=False, choices=["max"],
-                   help="torch.compile the steps (CUDA graphs on a GPU; weights prepacked for oneDNN and Inductor's C++ wrapper on "
-                        "a CPU); --compile max on a CPU: Inductor's GEMM templates over frozen weights, faster where oneDNN's "
-                        "GEMV is slow, minutes more to compile the first time")
+    p.add_argument("--compile", nargs="?", const="auto", default=False, choices=COMPILE_CHOICES, help="torch.compile the steps (CUDA graphs on a GPU); on a CPU auto: packed (oneDNN) or max (GEMM templates), whichever ran a decode step faster here (README)")
     p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")

@@ -144,7 +144,7 @@ def test_bench_refuses_an_unknown_mode(dirs):
 def test_an_unknown_compile_setting(dirs):
     root, _ = dirs
     for script in ("generate.py", "bench.py"):
-        assert_one_line_exit_2(run(script, "--checkpoint", root / "ckpt", "--compile", "fast"), "invalid choice: 'fast' (choose from 'max')")
+        assert_one_line_exit_2(run(script, "--checkpoint", root / "ckpt", "--compile", "fast"), "invalid choice: 'fast' (choose from 'auto', 'max', 'packed')")
 
 
 def test_bench_runs_on_the_shipped_mt_bench_questions(dirs):

@@ -290,3 +290,53 @@ def test_compile_max_runs_gemm_templates_matches_eager_and_is_cached_by_weights(
     assert warm["fxgraph"] == {"fxgraph_cache_hit": graphs} and warm["tokens"] == cold["tokens"]
     other = run(2, "none")
     assert other["fxgraph"].get("fxgraph_cache_miss", 0) >= 2 and "fxgraph_cache_hit" not in other["fxgraph"]
+
+
+@pytest.fixture
+def compile_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    return tmp_path / compiling.CACHE
+
+
+@pytest.mark.parametrize("packed_ms,template_ms,choice", [(10.0, 5.0, "max"), (10.0, 9.0, True), (5.0, 10.0, True)])
+def test_compile_auto_takes_the_templates_where_they_measured_faster_once_then_cached(tiny_args, random_model, compile_cache,
+                                                                                       monkeypatch, packed_ms, template_ms, choice):
+    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype: {"packed_ms": packed_ms, "template_ms": template_ms})
+    target, logs = random_model(tiny_args(), seed=0), []
+    assert compiling.choose("auto", target, log=logs.append) == choice
+    (key, entry), = json.loads(compile_cache.read_text()).items()
+    a = target.args
+    assert entry["choice"] == ("max" if choice == "max" else "packed") and f"{torch.float32} | dim {a.dim} ffn {a.intermediate_size}" in key
+    assert str(compile_cache) in logs[-1] and entry["choice"] in logs[-1]
+    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype: pytest.fail("the second call must read the cache"))
+    assert compiling.choose("auto", target, log=logs.append) == choice and len(logs) == 2  # said once, when measured
+    assert compiling.choose("packed", target) is True and compiling.choose("max", target) == "max"  # asked for: as asked
+    assert compiling.choose(False, target) is False
+
+
+def test_compile_auto_keeps_an_fp32_quantised_target_on_its_rows_kernels_and_a_bf16_one_follows_the_measurement(
+        tiny_args, random_model, compile_cache, monkeypatch):
+    import quant
+    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype: pytest.fail("an fp32 quantised target must not measure"))
+    target = quant.quantize_model(random_model(tiny_args(), seed=0), "int8", 0)
+    assert compiling.choose("auto", target) is True and not compile_cache.exists()  # freezing would turn its kernels off
+    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype: {"packed_ms": 10.0, "template_ms": 5.0})
+    assert compiling.choose("auto", quant.quantize_model(random_model(tiny_args(), seed=0).bfloat16(), "int8", 0)) == "max"
+
+
+def test_the_step_measurement_cuts_the_target_to_a_few_hundred_mb_and_times_both_ways(tiny_args):
+    from model import ModelArgs
+    smol = ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152)
+    assert compiling.step_args(smol, 2).n_layer == 11  # 11 layers (7 MB each in bf16) and the 57 MB LM head: 128 MB
+    assert compiling.step_args(smol, 4).n_layer == 2 and compiling.step_args(tiny_args(), 4).n_layer == tiny_args().n_layer
+    ms = compiling.measure_step(tiny_args(), torch.float32)  # a child process: packing first would change the other's lowering
+    assert set(ms) == {"packed_ms", "template_ms"} and all(v > 0 for v in ms.values())
+
+
+def test_compile_auto_falls_back_to_packed_where_the_measurement_fails(tiny_args, random_model, compile_cache, monkeypatch):
+    def fail(args, dtype):
+        raise RuntimeError("timing the decode step failed: ['InductorError: no GEMM template']")
+    monkeypatch.setattr(compiling, "measure_step", fail)
+    logs = []
+    assert compiling.choose("auto", random_model(tiny_args(), seed=0), log=logs.append) is True
+    assert "packed" in logs[-1] and "no GEMM template" in logs[-1]
