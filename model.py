@@ -159,32 +159,32 @@ class Attention(nn.Module):
 
 # CPU SDPA tiles over queries, slow when they are few: 258 us a layer at 16 (a tree verify over 768 bf16 slots), against
 # 127 for attend_few's matmuls. Longer prompts keep SDPA (no scores in memory), training (no cache) its backward.
-FEW_QUERIES = 256
+FEW_QUERIES, FUSED_QUERIES = 256, 16  # compiled, up to FUSED_QUERIES queries take attend_few's fused loops
 
 
 def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tensor:
-    """Attention for a few queries per row: q [B, H, T, D], k/v [B, Hkv, S, D], bool mask [T, S], [B, 1, T, S]
-    or [B, H, T, S]. Each group of heads that shares a KV head reads the cache in one matmul. tree: (k, v) of
-    more keys after the S (a tree verify's own rows), read in their own matmuls and meeting the cache's in one
-    softmax, so that the cache is not copied to join them; the mask covers both."""
+    """Attention for a few queries per row: q [B, H, T, D], k/v [B, Hkv, S, D], bool mask [T, S], [B, 1, T, S] or
+    [B, H, T, S]. tree: (k, v) of a tree verify's own rows after the S, read apart and meeting the cache's in one
+    softmax (the cache is not copied to join them); the mask covers both."""
     (B, H, T, D), n_kv, S = q.shape, k.shape[1], k.shape[2]
     G = H // n_kv
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
-    # Compiled with one query, the products and sums fuse into one loop over the cache; as matmuls they were an
-    # extern call each, 20 us per layer (issue 14). Otherwise, and eagerly, the matmuls win.
-    if fused := torch.compiler.is_compiling() and T == 1 and tree is None:
-        scores = (q.view(B, n_kv, G, 1, 1, D).float() * k[:, :, None, None].float()).sum(-1)  # [B, Hkv, G, 1, S]
+    keys, values = [k] + ([tree[0]] if tree else []), [v] + ([tree[1]] if tree else [])
+    # Compiled, products and sums fuse into a loop over the cache; as matmuls each was an extern call (a verify's
+    # unbacked live_width keeps the templates off: 92 calls, 4.0 of a 25.5 ms eagle2 cycle). Eagerly, matmuls win.
+    if fused := torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES):
+        qg = q.view(B, n_kv, G, T, 1, D).float()
+        scores = torch.cat([(qg * kk[:, :, None, None].float()).sum(-1) for kk in keys], -1)  # [B, Hkv, G, T, S(+T)]
     else:
         qg = q.reshape(B, n_kv, G * T, D)
-        scores = torch.cat([qg @ k.transpose(-1, -2)] + ([qg @ tree[0].transpose(-1, -2)] if tree else []), -1)
-        scores = scores.float().view(B, n_kv, G, T, -1)
+        scores = torch.cat([qg @ kk.transpose(-1, -2) for kk in keys], -1).float().view(B, n_kv, G, T, -1)
     probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)
+    parts = [probs[..., :S], probs[..., S:]][: len(values)]
     if fused:
-        y = (probs.unsqueeze(-1) * v[:, :, None, None].float()).sum(-2)
+        y = sum((p.unsqueeze(-1) * vv[:, :, None, None].float()).sum(-2) for p, vv in zip(parts, values))
     else:
-        probs = probs.to(v.dtype).view(B, n_kv, G * T, -1)
-        y = probs[..., :S] @ v + probs[..., S:] @ tree[1] if tree else probs @ v
+        y = sum(p.to(vv.dtype).reshape(B, n_kv, G * T, -1) @ vv for p, vv in zip(parts, values))
     return y.to(v.dtype).view(B, H, T, D)
 
 

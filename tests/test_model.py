@@ -30,19 +30,25 @@ def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
-@pytest.mark.parametrize("T", [1, 5])
+@pytest.mark.parametrize("T", [1, 5, 17])
 @pytest.mark.parametrize("mask_shape", ["[T, S]", "[B, 1, T, S]", "[B, H, T, S]"])
-def test_attend_few_is_sdpa(T, mask_shape, compiled):
+@pytest.mark.parametrize("tree", [False, True], ids=["cache", "cache+tree"])
+def test_attend_few_is_sdpa(T, mask_shape, compiled, tree):
+    # Compiled, up to FUSED_QUERIES queries take the fused loops (T 1, 5), more the matmuls (17); a tree's own keys
+    # come apart from the cache's and must meet them in one softmax.
     B, H, n_kv, S, D = 2, 6, 2, 40, 16  # GQA: three query heads per KV head
     g = torch.Generator().manual_seed(T)
     q, k, v = torch.randn(B, H, T, D, generator=g), torch.randn(B, n_kv, S, D, generator=g), torch.randn(B, n_kv, S, D, generator=g)
-    mask = {"[T, S]": torch.rand(T, S, generator=g) < 0.6, "[B, 1, T, S]": torch.rand(B, 1, T, S, generator=g) < 0.6,
-            "[B, H, T, S]": torch.rand(B, H, T, S, generator=g) < 0.6}[mask_shape]
+    extra = (torch.randn(B, n_kv, T, D, generator=g), torch.randn(B, n_kv, T, D, generator=g)) if tree else None
+    W = S + T if tree else S
+    mask = {"[T, S]": torch.rand(T, W, generator=g) < 0.6, "[B, 1, T, S]": torch.rand(B, 1, T, W, generator=g) < 0.6,
+            "[B, H, T, S]": torch.rand(B, H, T, W, generator=g) < 0.6}[mask_shape]
     mask[..., 0] = True  # every query reads at least one slot, as its own in a cache
-    expected = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
-    attend = torch.compile(attend_few, fullgraph=True) if compiled else attend_few  # compiled, one query takes the fused loop
-    assert torch.allclose(attend(q, k, v, mask), expected, atol=1e-5)
-
+    keys, values = (torch.cat([k, extra[0]], 2), torch.cat([v, extra[1]], 2)) if tree else (k, v)
+    expected = F.scaled_dot_product_attention(q, keys, values, attn_mask=mask, enable_gqa=True)
+    torch._dynamo.reset()  # one graph per case: past Dynamo's recompile limit a case would run eagerly
+    attend = torch.compile(attend_few, fullgraph=True) if compiled else attend_few
+    assert torch.allclose(attend(q, k, v, mask, extra), expected, atol=1e-5)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
