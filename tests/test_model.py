@@ -1,5 +1,7 @@
 # The target's forward hands a draft head its features from the pass it already runs; attention for few queries
 # on a CPU is SDPA's, and a CPU pass reads only the live part of the cache.
+import operator
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -49,6 +51,23 @@ def test_attend_few_is_sdpa(T, mask_shape, compiled, tree):
     torch._dynamo.reset()  # one graph per case: past Dynamo's recompile limit a case would run eagerly
     attend = torch.compile(attend_few, fullgraph=True) if compiled else attend_few
     assert torch.allclose(attend(q, k, v, mask, extra), expected, atol=1e-5)
+
+
+@pytest.mark.parametrize("T, fused", [(1, True), (16, True), (17, False)])
+def test_few_queries_fuse_when_compiled(T, fused):
+    # Up to FUSED_QUERIES queries a compiled pass has no matmul for Inductor to hand to an extern call.
+    graphs = []
+
+    def keep_graph(gm, example_inputs):
+        graphs.append(gm)
+        return gm
+
+    torch._dynamo.reset()
+    q, k, v = torch.randn(1, 6, T, 16), torch.randn(1, 2, 40, 16), torch.randn(1, 2, 40, 16)
+    tree = (torch.randn(1, 2, T, 16), torch.randn(1, 2, T, 16))
+    torch.compile(attend_few, backend=keep_graph, fullgraph=True)(q, k, v, torch.ones(T, 40 + T, dtype=torch.bool), tree)
+    calls = [n.target for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert any(c in (torch.matmul, operator.matmul) for c in calls) != fused
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
