@@ -18,6 +18,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 import cache
 import dtypes
 import quant
+import rowsmm
 import tp
 from model import KVCache, ModelArgs, Transformer, causal_mask
 
@@ -61,18 +62,19 @@ def choose(compile, target, log=print):
         return True
     a = step_args(target.args, weight.element_size())
     key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
-          f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer}"
+          f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer}" \
+          f" | packed: {quant.packed_kernel(weight.dtype)}"
     entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
     if entry is None:
-        log(f"timing a compiled decode step with Inductor's GEMM templates and with oneDNN on this CPU, {weight.dtype} "
-            f"(once; a few minutes)")
+        log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({quant.packed_kernel(weight.dtype)}) "
+            f"on this CPU, {weight.dtype} (once; a few minutes)")
         try:
             entry = tp.from_rank0(measure_step(a, weight.dtype))
             entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
         except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
             entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
         cache.store(CACHE, key, entry)
-        log(f"--compile: {entry['choice']} (a decode step: oneDNN packed {entry['packed_ms']} ms, GEMM templates "
+        log(f"--compile: {entry['choice']} (a decode step: packed {entry['packed_ms']} ms, GEMM templates "
             f"{entry['template_ms']} ms; cached in {cache.cache_dir() / CACHE}; --compile max or packed overrides)")
     return "max" if entry["choice"] == "max" else True
 
@@ -151,6 +153,8 @@ def prepare(compile, device, *models):
     """Readies the models' weights for compile (True, or "max") on device. -> None (the default settings: weights
     prepacked for oneDNN), or under --compile max on a CPU the Inductor options of graphs over these models' frozen
     weights (CPU_INDUCTOR_MAX, GEMM templates), cached on disk like the rest."""
+    if torch.device(device).type == "cpu" and any(p.dtype == torch.bfloat16 for m in filter(None, models) for p in m.parameters()):
+        rowsmm.available()  # builds the bf16 kernels: attention's serves the frozen graphs too
     if compile == "max" and torch.device(device).type == "cpu":
         cache_frozen_graphs()
         return {"post_grad_custom_pre_pass": FrozenWeights(*models)}

@@ -15,6 +15,8 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import rowsmm
+
 
 @dataclass
 class ModelArgs:
@@ -168,6 +170,8 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tens
     softmax (the cache is not copied to join them); the mask covers both."""
     (B, H, T, D), n_kv, S = q.shape, k.shape[1], k.shape[2]
     G = H // n_kv
+    if torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES) and rowsmm.attends(q):  # bf16 kernel
+        return torch.ops.eaglet.attend(q, k, v, mask.expand(B, H, T, -1), *(tree or (k[:, :, :0], v[:, :, :0])), D**-0.5)
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
     keys, values = [k] + ([tree[0]] if tree else []), [v] + ([tree[1]] if tree else [])
@@ -250,15 +254,13 @@ class Transformer(nn.Module):
             layer.attention.kv_cache.keep(rows, dst)
 
     def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor) -> tuple:
-        """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads).
-
-        Draft features are the post-norm states themselves (EAGLE-1/2), or with self.taps set (EAGLE-3)
-        the hidden states entering those layers, concatenated [B, T, len(taps) * dim]: taken from the
-        forward that runs anyway, never from an extra pass.
-        idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots;
-        mask [T, S] or [B, T, S] bool over the first S cache slots (True = may attend; live_width).
-        cache_pos None (a tree verify, setup_tree): the cache is read, not written; the mask covers its first S - T
-        slots and then these T tokens, whose K/V wait for keep_kv."""
+        """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads). Draft features
+        are the post-norm states themselves (EAGLE-1/2), or with self.taps set (EAGLE-3) the hidden states entering those
+        layers, concatenated [B, T, len(taps) * dim]: taken from the forward that runs anyway, never from an extra pass.
+        idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots; mask [T, S] or [B, T, S]
+        bool over the first S cache slots (True = may attend; live_width). cache_pos None (a tree verify, setup_tree):
+        the cache is read, not written; the mask covers its first S - T slots and then these T tokens, whose K/V wait
+        for keep_kv."""
         x = self.tok_embeddings(idx)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
@@ -277,14 +279,12 @@ class Transformer(nn.Module):
 
 
 def eagle3_taps(n_layer: int) -> tuple:
-    """The three layers whose inputs an EAGLE-3 head reads, low, middle and high: the official choice
-    (2, L//2, L-3), clamped for tiny test models (where a layer may then appear twice)."""
+    """The layers whose inputs an EAGLE-3 head reads: official (2, L//2, L-3), clamped for tiny test models."""
     return (min(2, n_layer - 1), n_layer // 2, max(n_layer - 3, 0))
 
 
 def fuse_rows(state_dict: dict, prefix: str, *hook_args, parts: tuple, fused: str):
-    """Matrices a module keeps fused (one GEMM: wqkv, w13) may come apart in a checkpoint: stacks their rows, with
-    whatever per-row tensors they carry (quantisation scales and zeros)."""
+    """Matrices kept fused (one GEMM: wqkv, w13) may come apart in a checkpoint: stacks their rows and scales/zeros."""
     for suffix in ("weight", "scales", "zeros"):
         if f"{prefix}{parts[0]}.{suffix}" in state_dict:
             state_dict[f"{prefix}{fused}.{suffix}"] = torch.cat([state_dict.pop(f"{prefix}{p}.{suffix}") for p in parts])

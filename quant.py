@@ -13,6 +13,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import rowsmm
 from model import find_multiple
 
 MODES = ("int8", "int4")
@@ -306,12 +307,25 @@ class PackedLinear(nn.Linear):
 
 
 def pack_linears(*models):
-    """Every float nn.Linear of the CPU models given (None: skipped) in place as a PackedLinear, where this build
-    has oneDNN. The CPU's compiled steps read them so; other devices stay as they are."""
+    """Every float nn.Linear of the CPU models given (None: skipped) in place as a rowsmm.RowsLinear (bf16 on a CPU with
+    AVX512-BF16) or a PackedLinear, where this build has oneDNN. The CPU's compiled steps read them so; other devices
+    stay as they are."""
     lower_packed_linear_as_a_call()
     for model in models:
         if model is not None and next(model.parameters()).device.type == "cpu" and torch.backends.mkldnn.is_available():
-            replace_linears(model, lambda linear: linear if isinstance(linear, PackedLinear) else PackedLinear(linear))
+            replace_linears(model, pack_linear)
+
+
+def pack_linear(linear: nn.Linear) -> nn.Linear:
+    """bf16 where the CPU has AVX512-BF16: the rows kernel (rowsmm.py); else oneDNN's packed layout."""
+    if isinstance(linear, (PackedLinear, rowsmm.RowsLinear)):
+        return linear
+    return rowsmm.RowsLinear(linear) if rowsmm.fits(linear) else PackedLinear(linear)
+
+
+def packed_kernel(dtype) -> str:
+    """What runs a packed CPU linear of this dtype (part of the keys of measured costs: the kernels cost differently)."""
+    return "rows kernel" if dtype == torch.bfloat16 and rowsmm.available() else "oneDNN"
 
 
 @functools.cache

@@ -16,7 +16,7 @@ import cache
 import dtypes
 import tp
 from model import FEW_QUERIES, causal_mask, find_multiple
-from quant import KERNEL_MAX_ROWS, QuantLinear
+from quant import KERNEL_MAX_ROWS, QuantLinear, packed_kernel
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -165,11 +165,12 @@ def cache_key(target, head, compiled=False) -> str:
     """compiled: False (eager), True or "max" (--compile max's costs are their own)."""
     name = device_name(target.tok_embeddings.weight.device)
     a = target.args
-    quant = getattr(target.layers[0].feed_forward.w13, "mode", "float")
-    return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{quant} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
+    mode = getattr(target.layers[0].feed_forward.w13, "mode", "float")
+    return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{mode} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
             f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
             f"|costs {COSTS_VERSION}"
-            + ("|compiled" if compiled else "") + (" max" if compiled == "max" else ""))
+            + ("|compiled" if compiled else "") + (" max" if compiled == "max" else "")
+            + (f" {packed_kernel(target.tok_embeddings.weight.dtype)}" if compiled is True else ""))
 
 
 CACHE = "tree_sizes.json"

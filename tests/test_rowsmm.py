@@ -1,0 +1,151 @@
+# The bf16 rows kernel (rowsmm.py): what it computes, that a row's values do not depend on the rows beside it, and
+# the layer around it (packing, casts, loads, copies, vmap, a compiled graph). Runs where the CPU has AVX512-BF16.
+import copy
+
+import pytest
+import torch
+import torch.nn as nn
+from torch._inductor.utils import run_and_get_code
+
+import quant
+import rowsmm
+
+pytestmark = pytest.mark.skipif(not rowsmm.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16")
+
+
+def reference(x, w):
+    return x.double() @ w.double().t()
+
+
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576), (576, 1536)])
+def test_rows_mm_is_the_product(out_features, in_features):
+    """Every row count 1-17 and 40 (16 at a time past 16), with leading dims: the double-precision product rounded once
+    to bf16, give or take one bf16 step (the kernel's fp32 sums run in their own order). A wrong layout, a row read
+    from the wrong place or an output block skipped misses by far more."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    w = torch.randn(out_features, in_features).bfloat16()
+    packed = rowsmm.pack(w)
+    for rows in [*range(1, 18), 40]:
+        x = torch.randn(2, rows, in_features).bfloat16()
+        y = torch.ops.eaglet.rows_mm(x, packed)
+        ref = reference(x, w)
+        assert y.shape == ref.shape and y.dtype == torch.bfloat16
+        step = ref.abs().clamp(min=in_features ** 0.5 * 1e-3) * 2 ** -7  # one bf16 step at the value's magnitude
+        assert ((y.double() - ref).abs() <= step).all(), (rows, (y.double() - ref).abs().max())
+
+
+def test_a_row_does_not_depend_on_its_neighbours():
+    """Row r of an M-row product equals the one-row product of row r bit for bit, for every M up to 16: so a tree verify
+    scores a node exactly as the one-row decode step would (the grouping of output blocks changes with M, the order of
+    each output's sum must not)."""
+    assert rowsmm.available()
+    torch.manual_seed(1)
+    w = torch.randn(3072, 576).bfloat16()
+    packed = rowsmm.pack(w)
+    x = torch.randn(16, 576).bfloat16()
+    alone = torch.cat([torch.ops.eaglet.rows_mm(x[i : i + 1], packed) for i in range(16)])
+    for rows in range(2, 17):
+        assert torch.equal(torch.ops.eaglet.rows_mm(x[:rows], packed), alone[:rows]), rows
+
+
+def test_rows_linear_follows_its_weight():
+    """quant.pack_linears installs rowsmm.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
+    included), packs again when its weight is loaded or cast, keeps its own copy in a deep copy, and in fp32 runs as
+    nn.Linear. A stale packed copy would answer with the old weights."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 48, bias=True)).bfloat16()
+    quant.pack_linears(model)
+    layer = model[0]
+    assert isinstance(layer, rowsmm.RowsLinear) and layer.rows_weight is not None
+    x = torch.randn(3, 5, 64).bfloat16()
+    with torch.no_grad():
+        expect = lambda lin: (reference(x, lin.weight) + lin.bias.double())  # noqa: E731
+        torch.testing.assert_close(layer(x).double(), expect(layer), rtol=2e-2, atol=2e-2)
+        other = nn.Linear(64, 48, bias=True).bfloat16()
+        layer.load_state_dict(other.state_dict())
+        torch.testing.assert_close(layer(x).double(), expect(other), rtol=2e-2, atol=2e-2)
+        twin = copy.deepcopy(layer)
+        assert twin.rows_weight is not layer.rows_weight and torch.equal(twin(x), layer(x))
+        layer.float()
+        assert layer.rows_weight is None
+        torch.testing.assert_close(layer(x.float()).double(), expect(other.float()), rtol=1e-2, atol=1e-2)
+    assert not hasattr(nn.Linear(63, 48), "rows_weight") and not rowsmm.fits(nn.Linear(64, 40).bfloat16())
+
+
+def test_rows_linear_in_compiled_and_vmapped_graphs():
+    """Compiled with the CPU's settings (cpp_wrapper) the op is one call per layer and computes the eager values;
+    under vmap (batch.py's rows) one call covers every row, not one per row."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.SiLU(), nn.Linear(96, 32, bias=False)).bfloat16()
+    quant.pack_linears(model)
+    x = torch.randn(4, 3, 64).bfloat16()
+    with torch.no_grad():
+        eager = model(x)
+        torch._dynamo.reset()
+        with torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=True):
+            out, code = run_and_get_code(torch.compile(model, fullgraph=True, dynamic=False), x)
+        assert torch.equal(out, eager) and "".join(code).count('"eaglet::rows_mm"') == 2
+        assert torch.equal(torch.vmap(model)(x), eager)
+        torch._dynamo.reset()
+        inductor = dict(fx_graph_cache=False, cpp_wrapper=False)
+        with torch._functorch.config.patch(enable_autograd_cache=False), torch._inductor.config.patch(inductor):
+            out, (code, *_) = run_and_get_code(torch.compile(torch.vmap(model), fullgraph=True), x)
+    assert torch.equal(out, eager) and code.count("rows_mm.default(") == 2, code
+
+
+def attention_reference(q, k, v, mask, kt, vt):
+    B, H, T, D = q.shape
+    keys = torch.cat([k, kt], 2).repeat_interleave(H // k.shape[1], 1).double()
+    values = torch.cat([v, vt], 2).repeat_interleave(H // k.shape[1], 1).double()
+    scores = (q.double() @ keys.transpose(-1, -2) * D**-0.5).masked_fill(~mask.expand(B, H, T, -1), float("-inf"))
+    return torch.softmax(scores, -1) @ values
+
+
+@pytest.mark.parametrize("B,H,n_kv,D,S,T,tree", [(1, 9, 3, 64, 200, 1, 0), (1, 9, 3, 64, 130, 9, 9), (2, 4, 2, 128, 37, 5, 3),
+                                                 (1, 4, 4, 32, 17, 16, 0)])
+def test_attend_is_softmax_attention(B, H, n_kv, D, S, T, tree):
+    """eaglet::attend over a cache's first S slots (a strided slice, as KVCache.update hands it) and a tree's own rows,
+    under a random mask of each shape attend_few takes ([T, S'], [B, 1, T, S'], [B, H, T, S'] expanded), GQA: the
+    double-precision softmax attention within bf16's rounding of the result. Rows depend on nothing beside them."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    k, v = (torch.randn(B, n_kv, S + 40, D).bfloat16()[:, :, :S] for _ in range(2))
+    kt, vt = (torch.randn(B, n_kv, tree, D).bfloat16() for _ in range(2))
+    q = torch.randn(B, T, H, D).bfloat16().transpose(1, 2)  # as Attention.forward makes it
+    for mask in (torch.rand(T, S + tree) < 0.6, torch.rand(B, 1, T, S + tree) < 0.6, torch.rand(B, H, T, S + tree) < 0.6):
+        mask[..., 0] = True
+        y = torch.ops.eaglet.attend(q, k, v, mask.expand(B, H, T, -1), kt, vt, D**-0.5)
+        ref = attention_reference(q, k, v, mask, kt, vt)
+        assert y.shape == ref.shape and (y.double() - ref).abs().max() <= 2**-8 * ref.abs().max() + 1e-3
+        for t in range(T):
+            row = torch.ops.eaglet.attend(q[:, :, t : t + 1], k, v, mask.expand(B, H, T, -1)[:, :, t : t + 1], kt, vt, D**-0.5)
+            assert torch.equal(row, y[:, :, t : t + 1])
+
+
+def test_attend_few_takes_the_kernel_when_compiled():
+    """A compiled bf16 pass of up to FUSED_QUERIES queries runs eaglet::attend (one call a layer, no matmul) and agrees
+    with the eager attend_few; under vmap (batch.py) it is one call too."""
+    import model
+
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    B, H, n_kv, D, S, T = 2, 6, 2, 64, 50, 5
+    q = torch.randn(B, H, T, D).bfloat16()
+    k, v = (torch.randn(B, n_kv, S, D).bfloat16() for _ in range(2))
+    mask = torch.rand(B, 1, T, S) < 0.7
+    mask[..., 0] = True
+    eager = model.attend_few(q, k, v, mask)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=False):
+        out, (code, *_) = run_and_get_code(torch.compile(model.attend_few, fullgraph=True, dynamic=False), q, k, v, mask)
+        assert code.count("eaglet.attend.default(") == 1 and "mm(" not in code, code
+        torch.testing.assert_close(out.float(), eager.float(), rtol=2e-2, atol=2e-2)
+        rows = torch.vmap(lambda q, k, v, m: model.attend_few(q[None], k[None], v[None], m[None])[0])
+        torch._dynamo.reset()
+        with torch._functorch.config.patch(enable_autograd_cache=False):
+            batched, (code, *_) = run_and_get_code(torch.compile(rows, fullgraph=True), q, k, v, mask)
+    assert code.count("eaglet.attend.default(") == 1, code
+    torch.testing.assert_close(batched.float(), eager.float(), rtol=2e-2, atol=2e-2)
