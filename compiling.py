@@ -5,6 +5,7 @@ import hashlib
 import itertools
 import json
 import math
+import os
 import subprocess
 import sys
 import time
@@ -61,15 +62,15 @@ def choose(compile, target, log=print):
     if weight.device.type != "cpu" or (quantised and weight.dtype == torch.float32):
         return True
     a = step_args(target.args, weight.element_size())
+    kernel = "oneDNN" if quantised else quant.packed_kernel(weight.dtype)  # QuantLinear is no rowsmm.RowsLinear
     key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
-          f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer}" \
-          f" | packed: {quant.packed_kernel(weight.dtype)}"
+          f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer} | packed: {kernel}"
     entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
     if entry is None:
-        log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({quant.packed_kernel(weight.dtype)}) "
-            f"on this CPU, {weight.dtype} (once; a few minutes)")
+        log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({kernel}) on this CPU, "
+            f"{weight.dtype} (once; a few minutes)")
         try:
-            entry = tp.from_rank0(measure_step(a, weight.dtype))
+            entry = tp.from_rank0(measure_step(a, weight.dtype, kernels=kernel != "oneDNN"))
             entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
         except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
             entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
@@ -92,15 +93,17 @@ def _decode(model, token, pos):
     return model(token, pos, pos, causal_mask(pos, model.max_seq_length))[0]
 
 
-def measure_step(args, dtype) -> dict:
+def measure_step(args, dtype, kernels: bool = True) -> dict:
     """A one-row decode step of a Transformer(args) with random weights, compiled with the GEMM templates and
     packed (as a Generator compiles its steps, the FX graph cache left out): {"template_ms", "packed_ms"}. Timed in a
     child process, the templates first: once a model is packed for oneDNN, Inductor lowers its linear as a plain call
     for the rest of the process (quant.lower_packed_linear_as_a_call), so a frozen graph compiled after it would run
-    oneDNN too (so measured by mistake once: 1.04x where the step gains 1.7x)."""
+    oneDNN too (so measured by mistake once: 1.04x where the step gains 1.7x). kernels=False: packed over oneDNN even
+    where rowsmm's kernels run (a quantised target's linears are its own)."""
     dtype = str(dtype).removeprefix("torch.")
     child = [sys.executable, "-c", "import compiling, sys; compiling.time_steps(*sys.argv[1:])", json.dumps(asdict(args)), dtype]
-    run = subprocess.run(child, cwd=Path(__file__).parent, capture_output=True, text=True)
+    env = os.environ | ({} if kernels else {"EAGLET_KERNELS": "0"})
+    run = subprocess.run(child, cwd=Path(__file__).parent, capture_output=True, text=True, env=env)
     if run.returncode:
         raise RuntimeError(f"timing the decode step failed: {run.stderr.strip().splitlines()[-1:]}")
     return json.loads(run.stdout.strip().splitlines()[-1])

@@ -10,6 +10,7 @@
 # then takes the softmax and the values in fp32; Inductor's fused loops for the same took 2.3x as long. In both, a row's
 # sums run in the same order whatever rows share its pass (rows_mm: a verify's linears give the one-row step's values).
 import functools
+import os
 import platform
 import sys
 from pathlib import Path
@@ -213,8 +214,9 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
 
 
 def cpu_has_bf16_dot() -> bool:
-    """AVX512-BF16 (vdpbf16ps), read from the kernel's CPU flags; elsewhere the kernel is never built."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64"):
+    """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built. EAGLET_KERNELS=0
+    turns them off (oneDNN and Inductor's code serve: for comparison, and compiling.choose's quantised targets)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or os.environ.get("EAGLET_KERNELS") == "0":
         return False
     try:
         return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
