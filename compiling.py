@@ -1,6 +1,7 @@
 # How the steps are compiled: torch.compile with each device's Inductor settings, set in this one place, and the
-# CPU's weights prepacked for oneDNN (quant.PackedLinear) or, under --compile max, frozen for Inductor's GEMM templates;
-# the CLI's --compile (auto) takes whichever of the two measured faster on this CPU (choose).
+# CPU's weights prepacked for oneDNN (quant.PackedLinear; in bf16 with AVX512-BF16 for rowsmm's kernel instead) or,
+# under --compile max, frozen for Inductor's GEMM templates; the CLI's --compile (auto) takes whichever of the two
+# measured faster on this CPU (choose).
 import hashlib
 import itertools
 import json
@@ -25,7 +26,7 @@ from model import KVCache, ModelArgs, Transformer, causal_mask
 
 # Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
 # on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
-# answer to CUDA graphs). The weights come prepacked for oneDNN (quant.PackedLinear), not frozen: one copy for every
+# answer to CUDA graphs). The weights come prepacked (quant.pack_linears), not frozen: one copy for every
 # graph, where each frozen graph holds its own. max_autotune (CPP GEMM templates) measured slower at one row there
 # and on an Intel Xeon, faster on later EPYCs: see choose.
 CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
@@ -154,7 +155,7 @@ def compiled(fn, device=None, frozen=None, **kw):
 
 def prepare(compile, device, *models):
     """Readies the models' weights for compile (True, or "max") on device. -> None (the default settings: weights
-    prepacked for oneDNN), or under --compile max on a CPU the Inductor options of graphs over these models' frozen
+    prepacked for oneDNN, or for rowsmm's kernel in bf16 where it runs), or under --compile max on a CPU the Inductor options of graphs over these models' frozen
     weights (CPU_INDUCTOR_MAX, GEMM templates), cached on disk like the rest."""
     if torch.device(device).type == "cpu" and any(p.dtype == torch.bfloat16 for m in filter(None, models) for p in m.parameters()):
         rowsmm.available()  # builds the bf16 kernels: attention's serves the frozen graphs too

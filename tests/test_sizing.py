@@ -96,7 +96,7 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
     tree = sizing.measure_tree(target, head, compile_fn=compile_fn)
     assert compiled_fns == ["_target_pass", "_head_level"]
     keys = list(cache.read(sizing.CACHE))
-    assert len(keys) == 1 and keys[0].endswith("|compiled")
+    assert len(keys) == 1 and keys[0].endswith("|compiled oneDNN")  # fp32: the packed kernel named
     sizing.measure_tree(target, head)  # eager: a second entry
     assert len(cache.read(sizing.CACHE)) == 2
     spec = TreeSpec("eagle2", tree[1], tree[2], tree[0])
