@@ -63,7 +63,7 @@ def choose(compile, target, log=print):
     if weight.device.type != "cpu" or (quantised and weight.dtype == torch.float32):
         return True
     a = step_args(target.args, weight.element_size())
-    kernel = "oneDNN" if quantised else quant.packed_kernel(weight.dtype)  # QuantLinear is no rowsmm.RowsLinear
+    kernel = "oneDNN" if quantised else quant.packed_kernel(weight.dtype)  # QuantLinear is no RowsLinear
     key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
           f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer} | packed: {kernel}"
     entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
@@ -155,8 +155,8 @@ def compiled(fn, device=None, frozen=None, **kw):
 
 def prepare(compile, device, *models):
     """Readies the models' weights for compile (True, or "max") on device. -> None (the default settings: weights
-    prepacked for oneDNN, or for rowsmm's kernel in bf16 where it runs), or under --compile max on a CPU the Inductor options of graphs over these models' frozen
-    weights (CPU_INDUCTOR_MAX, GEMM templates), cached on disk like the rest."""
+    prepacked for oneDNN, or for rowsmm's kernel in bf16 where it runs), or under --compile max on a CPU the Inductor
+    options of graphs over these models' frozen weights (CPU_INDUCTOR_MAX, GEMM templates), cached on disk like the rest."""
     if torch.device(device).type == "cpu" and any(p.dtype == torch.bfloat16 for m in filter(None, models) for p in m.parameters()):
         rowsmm.available()  # builds the bf16 kernels: attention's serves the frozen graphs too
     if compile == "max" and torch.device(device).type == "cpu":

@@ -170,14 +170,14 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tens
     softmax (the cache is not copied to join them); the mask covers both."""
     (B, H, T, D), n_kv, S = q.shape, k.shape[1], k.shape[2]
     G = H // n_kv
-    if torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES) and rowsmm.attends(q):  # bf16 kernel
+    if (fused := torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES)) and rowsmm.attends(q):
         return torch.ops.eaglet.attend(q, k, v, mask.expand(B, H, T, -1), *(tree or (k[:, :, :0], v[:, :, :0])), D**-0.5)
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
     keys, values = [k] + ([tree[0]] if tree else []), [v] + ([tree[1]] if tree else [])
     # Compiled, products and sums fuse into a loop over the cache; as matmuls each was an extern call (a verify's
     # unbacked live_width keeps the templates off: 92 calls, 4.0 of a 25.5 ms eagle2 cycle). Eagerly, matmuls win.
-    if fused := torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES):
+    if fused:
         qg = q.view(B, n_kv, G, T, 1, D).float()
         scores = torch.cat([(qg * kk[:, :, None, None].float()).sum(-1) for kk in keys], -1)  # [B, Hkv, G, T, S(+T)]
     else:

@@ -306,8 +306,22 @@ class PackedLinear(nn.Linear):
         return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
 
 
+class RowsLinear(PackedLinear):
+    """PackedLinear whose bf16 weight is packed for rowsmm's kernel instead (where rowsmm.fits it: AVX512-BF16): the
+    weight read once for up to 16 rows, where oneDNN and the GEMM templates turn compute-bound past a few."""
+
+    def pack(self):
+        self.packed = rowsmm.pack(self.weight.detach()) if rowsmm.fits(self) else None
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None or x.dtype != self.weight.dtype:
+            return nn.Linear.forward(self, x)
+        y = torch.ops.eaglet.rows_mm(x, self.packed)
+        return y if self.bias is None else y + self.bias
+
+
 def pack_linears(*models):
-    """Every float nn.Linear of the CPU models given (None: skipped) in place as a rowsmm.RowsLinear (bf16 on a CPU with
+    """Every float nn.Linear of the CPU models given (None: skipped) in place as a RowsLinear (bf16 on a CPU with
     AVX512-BF16) or a PackedLinear, where this build has oneDNN. The CPU's compiled steps read them so; other devices
     stay as they are."""
     lower_packed_linear_as_a_call()
@@ -318,9 +332,9 @@ def pack_linears(*models):
 
 def pack_linear(linear: nn.Linear) -> nn.Linear:
     """bf16 where the CPU has AVX512-BF16: the rows kernel (rowsmm.py); else oneDNN's packed layout."""
-    if isinstance(linear, (PackedLinear, rowsmm.RowsLinear)):
+    if isinstance(linear, PackedLinear):
         return linear
-    return rowsmm.RowsLinear(linear) if rowsmm.fits(linear) else PackedLinear(linear)
+    return RowsLinear(linear) if rowsmm.fits(linear) else PackedLinear(linear)
 
 
 def packed_kernel(dtype) -> str:

@@ -17,7 +17,6 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
-import torch.nn.functional as F
 from torch import Tensor
 
 LANES = 16  # outputs a vector holds (fp32 accumulators)
@@ -282,36 +281,3 @@ def fits(linear: nn.Linear) -> bool:
     w = linear.weight
     return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.shape[0] % LANES == 0 and w.shape[1] % 2 == 0
             and available())
-
-
-class RowsLinear(nn.Linear):
-    """nn.Linear whose bf16 CPU forward runs eaglet::rows_mm over a copy of its weight in the kernel's layout
-    (quant.pack_linears installs it where fits()). The weight stays as it was: loaders, converters, a tied embedding
-    and other devices read it; a cast or a new state dict packs again."""
-
-    def __init__(self, linear: nn.Linear):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias
-        self.register_buffer("rows_weight", None, persistent=False)
-        self.register_load_state_dict_post_hook(RowsLinear.repack)
-        self.pack()
-
-    def pack(self):
-        self.rows_weight = pack(self.weight.detach()) if fits(self) else None
-
-    @staticmethod
-    def repack(module, incompatible_keys):
-        module.pack()
-
-    def _apply(self, fn, recurse=True):
-        self.rows_weight = None
-        super()._apply(fn, recurse)
-        self.pack()
-        return self
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.rows_weight is None or x.dtype != torch.bfloat16:
-            return super().forward(x)
-        y = torch.ops.eaglet.rows_mm(x, self.rows_weight)
-        return y if self.bias is None else y + self.bias

@@ -320,7 +320,7 @@ def test_compile_auto_keeps_an_fp32_quantised_target_on_its_rows_kernels_and_a_b
     monkeypatch.setattr(compiling, "measure_step", lambda args, dtype, kernels: pytest.fail("an fp32 quantised target must not measure"))
     target = quant.quantize_model(random_model(tiny_args(), seed=0), "int8", 0)
     assert compiling.choose("auto", target) is True and not compile_cache.exists()  # freezing would turn its kernels off
-    # bf16: packed timed over oneDNN, as its QuantLinear layers are no rowsmm.RowsLinear, and kept apart from float targets
+    # bf16: packed timed over oneDNN, as its QuantLinear layers are no quant.RowsLinear, and kept apart from float targets
     monkeypatch.setattr(compiling, "measure_step", lambda args, dtype, kernels: {"packed_ms": 10.0 + kernels, "template_ms": 5.0})
     assert compiling.choose("auto", quant.quantize_model(random_model(tiny_args(), seed=0).bfloat16(), "int8", 0)) == "max"
     (key, entry), = json.loads(compile_cache.read_text()).items()

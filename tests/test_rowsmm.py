@@ -50,7 +50,7 @@ def test_a_row_does_not_depend_on_its_neighbours():
 
 
 def test_rows_linear_follows_its_weight():
-    """quant.pack_linears installs rowsmm.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
+    """quant.pack_linears installs quant.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
     included), packs again when its weight is loaded or cast, keeps its own copy in a deep copy, and in fp32 runs as
     nn.Linear. A stale packed copy would answer with the old weights."""
     assert rowsmm.available()
@@ -58,7 +58,7 @@ def test_rows_linear_follows_its_weight():
     model = nn.Sequential(nn.Linear(64, 48, bias=True)).bfloat16()
     quant.pack_linears(model)
     layer = model[0]
-    assert isinstance(layer, rowsmm.RowsLinear) and layer.rows_weight is not None
+    assert isinstance(layer, quant.RowsLinear) and layer.packed is not None and layer.packed.dtype == torch.int32
     x = torch.randn(3, 5, 64).bfloat16()
     with torch.no_grad():
         expect = lambda lin: (reference(x, lin.weight) + lin.bias.double())  # noqa: E731
@@ -67,11 +67,11 @@ def test_rows_linear_follows_its_weight():
         layer.load_state_dict(other.state_dict())
         torch.testing.assert_close(layer(x).double(), expect(other), rtol=2e-2, atol=2e-2)
         twin = copy.deepcopy(layer)
-        assert twin.rows_weight is not layer.rows_weight and torch.equal(twin(x), layer(x))
+        assert twin.packed is not None and twin.packed is not layer.packed and torch.equal(twin(x), layer(x))
         layer.float()
-        assert layer.rows_weight is None
+        assert layer.packed is None
         torch.testing.assert_close(layer(x.float()).double(), expect(other.float()), rtol=1e-2, atol=1e-2)
-    assert not hasattr(nn.Linear(63, 48), "rows_weight") and not rowsmm.fits(nn.Linear(64, 40).bfloat16())
+    assert not rowsmm.fits(nn.Linear(63, 48).bfloat16()) and not rowsmm.fits(nn.Linear(64, 40).bfloat16())
 
 
 def test_rows_linear_in_compiled_and_vmapped_graphs():
