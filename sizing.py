@@ -15,7 +15,7 @@ import torch
 import cache
 import dtypes
 import tp
-from model import FEW_QUERIES, causal_mask, find_multiple
+from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple
 from quant import KERNEL_MAX_ROWS, QuantLinear, packed_kernel
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
@@ -129,14 +129,16 @@ def measure_costs(target, head, compile_fn=None) -> dict:
     quantised = any(isinstance(m, QuantLinear) for model in (target, head) for m in model.modules())
 
     def few_rows(n, *dims):
-        # One dynamic graph times every size, and it must attend as the cycle's graphs of a fixed size do: the
-        # bound lets the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path.
+        # Dynamic graphs time every size, and they must attend as the cycle's graphs of a fixed size do: the bounds
+        # let the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path, and one graph
+        # up to FUSED_QUERIES proves what takes the fused attention (the kernel, in bf16), another the sizes past it.
         # A quantised layer changes kernels past KERNEL_MAX_ROWS, and its CPU rows kernel loops over a static row
-        # count: up to there each size gets its own graph, as in the cycle, and one dynamic graph serves the rest.
+        # count: up to there each size gets its own graph, as in the cycle.
         low = KERNEL_MAX_ROWS + 1 if quantised else 2
         if compile_fn and n >= low:
+            lo, hi = (low, FUSED_QUERIES) if n <= FUSED_QUERIES else (max(low, FUSED_QUERIES + 1), FEW_QUERIES)
             for t, d in dims:
-                torch._dynamo.mark_dynamic(t, d, min=low, max=FEW_QUERIES)
+                torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
 
     # Compiled, a quantised target's few-row graphs are large (the rows kernel unrolls its rows) and slow to build: the
     # smallest and largest tree below the switch stand for the others, which verify_cost interpolates.
@@ -157,8 +159,9 @@ def device_name(device) -> str:
 
 
 # Part of the cache key: bumped when the steps' code changes what they cost (2: tree verifies on a CPU read the
-# cache with attend_few's matmuls instead of SDPA, half the attention time), so older measurements are not reused.
-COSTS_VERSION = 2
+# cache with attend_few's matmuls instead of SDPA, half the attention time; 3: sizes up to FUSED_QUERIES are timed
+# with the fused attention their fixed-size graphs take), so older measurements are not reused.
+COSTS_VERSION = 3
 
 
 def cache_key(target, head, compiled=False) -> str:

@@ -2,8 +2,11 @@
 # and the measured costs cached once per device and model.
 import pytest
 import torch
+from torch._dynamo.comptime import comptime
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import cache
+import model
 import sizing
 from eaglet import Generator
 from sampling import Sampling
@@ -104,6 +107,36 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
     assert Generator(target, spec, head=head, compile=True).generate(prompt, 12, Sampling()).token_ids == \
         Generator(target).generate(prompt, 12, Sampling()).token_ids
 
+
+
+ATTENDED = set()  # (rows symbolic, fused attention) of each attend_few traced in a compiled sizing pass
+
+
+def record_attention(ctx):
+    """At trace time (torch._dynamo.comptime: no guard, so recording does not recompile the graph)."""
+    T = ctx.get_local("q").as_fake().shape[2]
+    ATTENDED.add((isinstance(T, torch.SymInt), statically_known_true(T <= model.FUSED_QUERIES)))
+
+
+def test_compiled_sizing_attends_as_the_fixed_size_cycle(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+    # The cycle's graphs have a static row count, so up to FUSED_QUERIES rows take attend_few's fused path (the bf16
+    # kernel); sizing's dynamic graphs must take it too, or trees are sized on an attention the cycle never runs.
+    import compiling
+
+    attend_few = model.attend_few
+
+    def spy(q, *args):
+        if torch.compiler.is_compiling():
+            comptime(record_attention)
+        return attend_few(q, *args)
+
+    monkeypatch.setattr(model, "attend_few", spy)
+    monkeypatch.setattr(sizing, "M_CHOICES", (2, 8, 24))
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    torch._dynamo.reset()
+    ATTENDED.clear()
+    sizing.measure_costs(target, head, compiling.sizing_compile(target, head))
+    assert ATTENDED == {(False, True), (True, True), (True, False)}  # the one-row step; dynamic up to 16 rows, past 16
 
 
 def test_compiled_sizing_of_a_quantised_target(tmp_path, monkeypatch, tiny_args, random_model, random_head):
