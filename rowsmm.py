@@ -6,8 +6,9 @@
 # oneDNN does not overlap its compute with streaming cold weights (BENCHMARKS.md). vdpbf16ps multiplies bf16 pairs
 # natively, 32 products an instruction. The weight is stored [out/16, in/2, 16] int32: a 64-byte load is 16 outputs'
 # next 2 inputs, read once and fed to every row's accumulator, so the weight streams from memory once for up to 16
-# rows and no sum crosses lanes. attend scores each query row against its KV head's keys with the same instruction,
-# then takes the softmax and the values in fp32; Inductor's fused loops for the same took 2.3x as long. In both, a row's
+# rows and no sum crosses lanes. attend scores the query rows of a KV head against its keys with the same instruction,
+# 16 keys at a time, the softmax in fp32, then the values two slots an instruction (the probabilities as bf16 pairs);
+# the rows sharing a KV head share each load. Inductor's fused loops for the same took 3-4x as long. In both, a row's
 # sums run in the same order whatever rows share its pass (rows_mm: a verify's linears give the one-row step's values).
 import functools
 import os
@@ -115,70 +116,165 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
 
-// One query row against the keys of its KV head: the cache's S rows, then a tree verify's own Tt rows; softmax in fp32.
-// Each row on its own and in the same order whatever the rows beside it, as rows_mm.
-template <int C>  // head_dim / 32
-static void attend_rows(const at::Tensor& q, const at::Tensor& k, const at::Tensor& v, const at::Tensor& mask,
-                        const at::Tensor& kt, const at::Tensor& vt, double scale, at::Tensor& y) {
-  int64_t B = q.size(0), H = q.size(1), T = q.size(2), D = q.size(3), Hkv = k.size(1), S = k.size(2), Tt = kt.size(2);
-  auto qp = (const int32_t*)q.data_ptr();
-  auto yp = y.data_ptr<at::BFloat16>();
-  auto mp = mask.data_ptr<bool>();
-  const int64_t ms[4] = {mask.stride(0), mask.stride(1), mask.stride(2), mask.stride(3)};
-  const at::Tensor* keys[2] = {&k, &kt};
-  const at::Tensor* values[2] = {&v, &vt};
-  at::parallel_for(0, B * H * T, 1, [&](int64_t r0, int64_t r1) {
-    std::vector<float> score(S + Tt + 16);
-    for (int64_t r = r0; r < r1; r++) {
-      int64_t b = r / (H * T), h = r / T % H, t = r % T, kvh = h / (H / Hkv);
-      __m512bh qv[C];
-      for (int64_t c = 0; c < C; c++) qv[c] = (__m512bh)_mm512_loadu_si512(qp + r * D / 2 + c * 16);
-      const bool* m = mp + b * ms[0] + h * ms[1] + t * ms[2];
-      float top = -INFINITY;
-      for (int part = 0; part < 2; part++) {
-        const at::Tensor& kk = *keys[part];
-        int64_t n = part ? Tt : S, off = part ? S : 0, row = kk.stride(2);
-        auto kp = (const at::BFloat16*)kk.data_ptr() + b * kk.stride(0) + kvh * kk.stride(1);
-        for (int64_t s = 0; s < n; s++) {
-          if (!m[(off + s) * ms[3]]) { score[off + s] = -INFINITY; continue; }
-          __m512 acc = _mm512_setzero_ps();
-          for (int64_t c = 0; c < C; c++)
-            acc = _mm512_dpbf16_ps(acc, qv[c], (__m512bh)_mm512_loadu_si512(kp + s * row + c * 32));
-          float x = _mm512_reduce_add_ps(acc) * (float)scale;
-          score[off + s] = x;
-          top = std::max(top, x);
-        }
-      }
-      __m512 out[2 * C];
-      for (int64_t c = 0; c < 2 * C; c++) out[c] = _mm512_setzero_ps();
-      if (top == -INFINITY) top = 0;  // a row that may read nothing: zeros, not NaN
-      __m512 sum = _mm512_setzero_ps();
-      int64_t total = S + Tt;
-      for (int64_t s = 0; s < total; s += 16) {
-        __mmask16 live = total - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (total - s)) - 1);
-        __m512 e = exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, score.data() + s), _mm512_set1_ps(top)));
-        e = _mm512_maskz_mov_ps(live, e);
-        sum = _mm512_add_ps(sum, e);
-        _mm512_storeu_ps(score.data() + s, e);
-      }
-      for (int part = 0; part < 2; part++) {
-        const at::Tensor& vv = *values[part];
-        int64_t n = part ? Tt : S, off = part ? S : 0, row = vv.stride(2);
-        auto vp = (const at::BFloat16*)vv.data_ptr() + b * vv.stride(0) + kvh * vv.stride(1);
-        for (int64_t s = 0; s < n; s++) {
-          float p = score[off + s];
-          if (p == 0.0f) continue;
-          __m512 pv = _mm512_set1_ps(p);
-          for (int64_t c = 0; c < 2 * C; c++) {
-            __m256i half = _mm256_loadu_si256((const __m256i*)(vp + s * row + c * 16));
-            __m512 vf = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(half), 16));  // bf16 -> fp32
-            out[c] = _mm512_fmadd_ps(pv, vf, out[c]);
+// Sixteen vectors -> one whose lane i is the sum of a[i]'s lanes: a transpose-and-add tree, 45 instructions where
+// sixteen horizontal sums take about 130. Every lane sums in the same order.
+static inline __m512 sum16(const __m512* a) {
+  __m512 s[8], u[4];
+  for (int i = 0; i < 8; i++)
+    s[i] = _mm512_add_ps(_mm512_unpacklo_ps(a[2 * i], a[2 * i + 1]), _mm512_unpackhi_ps(a[2 * i], a[2 * i + 1]));
+  for (int i = 0; i < 4; i++)
+    u[i] = _mm512_add_ps(_mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(1, 0, 1, 0)),
+                         _mm512_shuffle_ps(s[2 * i], s[2 * i + 1], _MM_SHUFFLE(3, 2, 3, 2)));
+  __m512 v0 = _mm512_add_ps(_mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u[0], u[1], _MM_SHUFFLE(3, 1, 3, 1)));
+  __m512 v1 = _mm512_add_ps(_mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(u[2], u[3], _MM_SHUFFLE(3, 1, 3, 1)));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
+}
+
+struct Attend {  // one eaglet::attend call: q [B, H, T, D]; k, v [B, Hkv, S, D]; their tree rows kt, vt [B, Hkv, Tt, D]
+  const int32_t* q;
+  at::BFloat16* y;
+  const bool* mask;
+  int64_t ms[4], H, T, D, Hkv, n[2], row_k[2], row_v[2];
+  const at::BFloat16 *k[2], *v[2];  // at batch 0, KV head 0
+  int64_t kb[2], kh[2], vb[2], vh[2];  // batch and head strides
+  float scale;
+};
+
+// R query rows r0.. of one KV head (consecutive rows share it) against its keys: the cache's S, then the tree's Tt;
+// softmax in fp32. Each block of 16 keys and each pair of values is loaded once for the R rows; a row's sums run in
+// the same order whatever rows share its pass, as rows_mm's. score: R rows of S + Tt + 32 floats; pairs: R of half.
+template <int C, int R>  // C = head_dim / 32
+static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pairs) {
+  int64_t total = a.n[0] + a.n[1], stride = total + 32, pstride = total / 2 + 32;
+  int64_t b = r0 / (a.H * a.T), kvh = r0 / a.T % a.H / (a.H / a.Hkv);
+  __m512bh qv[R][C];
+  const bool* m[R];
+  for (int i = 0; i < R; i++) {
+    int64_t r = r0 + i, h = r / a.T % a.H, t = r % a.T;
+    for (int c = 0; c < C; c++) qv[i][c] = (__m512bh)_mm512_loadu_si512(a.q + r * a.D / 2 + c * 16);
+    m[i] = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+  }
+  __m512 top[R];
+  for (int i = 0; i < R; i++) top[i] = _mm512_set1_ps(-INFINITY);
+  for (int part = 0; part < 2; part++) {
+    int64_t n = a.n[part], off = part ? a.n[0] : 0, row = a.row_k[part];
+    const at::BFloat16* kp = a.k[part] + b * a.kb[part] + kvh * a.kh[part];
+    for (int64_t s0 = 0; s0 < n; s0 += 16) {
+      int64_t w = std::min<int64_t>(16, n - s0);
+      for (int i = 0; i < R; i++) {
+        __m512 acc[16];
+        __mmask16 live = 0;
+        if (w == 16) {  // unrolled: the accumulators stay in registers
+#pragma GCC unroll 16
+          for (int j = 0; j < 16; j++) {
+            __m512 x = _mm512_setzero_ps();
+#pragma GCC unroll 8
+            for (int c = 0; c < C; c++)
+              x = _mm512_dpbf16_ps(x, qv[i][c], (__m512bh)_mm512_loadu_si512(kp + (s0 + j) * row + c * 32));
+            acc[j] = x;
+          }
+          if (a.ms[3] == 1) {
+            __m128i bits = _mm_loadu_si128((const __m128i*)(m[i] + off + s0));
+            live = _mm_test_epi8_mask(bits, bits);
+          } else {
+            for (int j = 0; j < 16; j++) live |= (__mmask16)((unsigned)m[i][(off + s0 + j) * a.ms[3]] << j);
+          }
+        } else {
+          for (int j = 0; j < 16; j++) {
+            acc[j] = _mm512_setzero_ps();
+            if (j >= w) continue;
+            for (int c = 0; c < C; c++)
+              acc[j] = _mm512_dpbf16_ps(acc[j], qv[i][c], (__m512bh)_mm512_loadu_si512(kp + (s0 + j) * row + c * 32));
+            live |= (__mmask16)((unsigned)m[i][(off + s0 + j) * a.ms[3]] << j);
           }
         }
+        __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(a.scale)));
+        _mm512_storeu_ps(score + i * stride + off + s0, x);  // past n: -inf, then the tree's scores or spare room
+        top[i] = _mm512_max_ps(top[i], x);
       }
-      __m512 inv = _mm512_set1_ps(1.0f / std::max(_mm512_reduce_add_ps(sum), 1e-30f));
-      for (int64_t c = 0; c < 2 * C; c++)
-        _mm256_storeu_si256((__m256i*)(yp + r * D + c * 16), (__m256i)_mm512_cvtneps_pbh(_mm512_mul_ps(out[c], inv)));
+    }
+  }
+  float inv[R];
+  for (int i = 0; i < R; i++) {
+    float* sc = score + i * stride;
+    float mx = _mm512_reduce_max_ps(top[i]);
+    if (mx == -INFINITY) mx = 0;  // a row that may read nothing: zeros, not NaN
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t s = 0; s < total; s += 16) {
+      __mmask16 live = total - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (total - s)) - 1);
+      __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + s), _mm512_set1_ps(mx))));
+      sum = _mm512_add_ps(sum, e);
+      _mm512_storeu_ps(sc + s, e);
+    }
+    inv[i] = 1.0f / std::max(_mm512_reduce_add_ps(sum), 1e-30f);
+    // Probabilities as bf16 pairs (slot s with s + 1 of the same part; an odd last slot pairs with zero), the
+    // values' matmul in bf16 as a bf16 GEMM would take it.
+    for (int part = 0, at = 0; part < 2; part++) {
+      int64_t n = a.n[part], off = part ? a.n[0] : 0;
+      for (int64_t s = 0; s < n; s += 2, at++)
+        pairs[i * pstride + at] = _mm_cvtsi128_si32((__m128i)_mm_cvtneps_pbh(
+            _mm_set_ps(0.0f, 0.0f, s + 1 < n ? sc[off + s + 1] : 0.0f, sc[off + s])));
+    }
+  }
+  static const at::BFloat16 zeros[256] = {};
+  __m512 out[R][2 * C];
+  for (int i = 0; i < R; i++)
+    for (int c = 0; c < 2 * C; c++) out[i][c] = _mm512_setzero_ps();
+  for (int part = 0, at = 0; part < 2; part++) {
+    int64_t n = a.n[part], row = a.row_v[part];
+    const at::BFloat16* vp = a.v[part] + b * a.vb[part] + kvh * a.vh[part];
+    for (int64_t s = 0; s < n; s += 2, at++) {
+      bool any = false;
+      for (int i = 0; i < R; i++) any |= pairs[i * pstride + at] != 0;
+      if (!any) continue;  // masked for every row: the values are not read
+      const at::BFloat16* v0 = vp + s * row;
+      const at::BFloat16* v1 = s + 1 < n ? v0 + row : zeros;
+      for (int c = 0; c < C; c++) {
+        __m512i x0 = _mm512_loadu_si512(v0 + c * 32), x1 = _mm512_loadu_si512(v1 + c * 32);
+        __m512bh lo = (__m512bh)_mm512_unpacklo_epi16(x0, x1), hi = (__m512bh)_mm512_unpackhi_epi16(x0, x1);
+        for (int i = 0; i < R; i++) {
+          __m512bh p = (__m512bh)_mm512_set1_epi32(pairs[i * pstride + at]);
+          out[i][2 * c] = _mm512_dpbf16_ps(out[i][2 * c], lo, p);
+          out[i][2 * c + 1] = _mm512_dpbf16_ps(out[i][2 * c + 1], hi, p);
+        }
+      }
+    }
+  }
+  // out[i][2c] holds dims 32c + 8L + 0..3 at lanes 4L + 0..3 (L: 128-bit lane), out[i][2c+1] dims 32c + 8L + 4..7.
+  const __m512i first = _mm512_set_epi32(23, 22, 21, 20, 7, 6, 5, 4, 19, 18, 17, 16, 3, 2, 1, 0);
+  const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
+  for (int i = 0; i < R; i++) {
+    __m512 norm = _mm512_set1_ps(inv[i]);
+    at::BFloat16* yp = a.y + (r0 + i) * a.D;
+    for (int c = 0; c < C; c++) {
+      __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(out[i][2 * c], first, out[i][2 * c + 1]), norm);
+      __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(out[i][2 * c], second, out[i][2 * c + 1]), norm);
+      _mm256_storeu_si256((__m256i*)(yp + c * 32), (__m256i)_mm512_cvtneps_pbh(lo));
+      _mm256_storeu_si256((__m256i*)(yp + c * 32 + 16), (__m256i)_mm512_cvtneps_pbh(hi));
+    }
+  }
+}
+
+template <int C>
+static void attend_all(const Attend& a, int64_t B) {
+  // The rows of one KV head are consecutive (G heads x T queries); they go in chunks of up to RMAX rows sharing their
+  // loads, chunks of a group differing by at most a row, with enough chunks to keep every thread busy.
+  constexpr int RMAX = C <= 2 ? 4 : (C == 4 ? 2 : 1);
+  int64_t per = a.H / a.Hkv * a.T, groups = B * a.Hkv, rows = RMAX;
+  while (rows > 1 && groups * ((per + rows - 1) / rows) < 4 * at::get_num_threads()) rows--;
+  int64_t chunks = (per + rows - 1) / rows;
+  at::parallel_for(0, groups * chunks, 1, [&](int64_t c0, int64_t c1) {
+    int64_t total = a.n[0] + a.n[1];
+    std::vector<float> score(RMAX * (total + 32));
+    std::vector<int32_t> pairs(RMAX * (total / 2 + 32));
+    for (int64_t c = c0; c < c1; c++) {
+      int64_t g = c / chunks, k = c % chunks, lo = k * per / chunks, hi = (k + 1) * per / chunks, r0 = g * per + lo;
+      switch (hi - lo) {
+        case 1: attend_rows<C, 1>(a, r0, score.data(), pairs.data()); break;
+        case 2: attend_rows<C, RMAX >= 2 ? 2 : 1>(a, r0, score.data(), pairs.data()); break;
+        case 3: attend_rows<C, RMAX >= 3 ? 3 : 1>(a, r0, score.data(), pairs.data()); break;
+        default: attend_rows<C, RMAX>(a, r0, score.data(), pairs.data()); break;
+      }
     }
   });
 }
@@ -192,11 +288,24 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
               && mask.size(3) == k.size(2) + kt.size(2) && mask.scalar_type() == at::kBool,
               "eaglet::attend: bf16 q, k, v, head_dim 32/64/128/256; mask [B, H, T, S + Tt]");
   auto y = at::empty_like(q);
+  Attend a;
+  a.q = (const int32_t*)q.data_ptr();
+  a.y = y.data_ptr<at::BFloat16>();
+  a.mask = mask.data_ptr<bool>();
+  for (int i = 0; i < 4; i++) a.ms[i] = mask.stride(i);
+  a.H = q.size(1), a.T = q.size(2), a.D = D, a.Hkv = k.size(1), a.scale = (float)scale;
+  const at::Tensor* keys[2] = {&k, &kt};
+  const at::Tensor* values[2] = {&v, &vt};
+  for (int p = 0; p < 2; p++) {
+    a.n[p] = keys[p]->size(2);
+    a.k[p] = (const at::BFloat16*)keys[p]->data_ptr(), a.kb[p] = keys[p]->stride(0), a.kh[p] = keys[p]->stride(1), a.row_k[p] = keys[p]->stride(2);
+    a.v[p] = (const at::BFloat16*)values[p]->data_ptr(), a.vb[p] = values[p]->stride(0), a.vh[p] = values[p]->stride(1), a.row_v[p] = values[p]->stride(2);
+  }
   switch (D / 32) {
-    case 1: attend_rows<1>(q, k, v, mask, kt, vt, scale, y); break;
-    case 2: attend_rows<2>(q, k, v, mask, kt, vt, scale, y); break;
-    case 4: attend_rows<4>(q, k, v, mask, kt, vt, scale, y); break;
-    case 8: attend_rows<8>(q, k, v, mask, kt, vt, scale, y); break;
+    case 1: attend_all<1>(a, q.size(0)); break;
+    case 2: attend_all<2>(a, q.size(0)); break;
+    case 4: attend_all<4>(a, q.size(0)); break;
+    case 8: attend_all<8>(a, q.size(0)); break;
   }
   return y;
 }
