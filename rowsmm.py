@@ -8,8 +8,9 @@
 # next 2 inputs, read once and fed to every row's accumulator, so the weight streams from memory once for up to 16
 # rows and no sum crosses lanes. attend scores the query rows of a KV head against its keys with the same instruction,
 # 16 keys at a time, the softmax in fp32, then the values two slots an instruction (the probabilities as bf16 pairs);
-# the rows sharing a KV head share each load. Inductor's fused loops for the same took 3-4x as long. In both, a row's
-# sums run in the same order whatever rows share its pass (rows_mm: a verify's linears give the one-row step's values).
+# the rows sharing a KV head share each load. Inductor's fused loops took 2.3x as long as its first version. In both,
+# a row's sums run in the same order whatever rows share its pass (rows_mm: a verify's linears give the one-row step's
+# values).
 import functools
 import os
 import platform

@@ -74,25 +74,26 @@ def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT
     return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup), o[0]))
 
 
+def _ms(fn, sync) -> float:
+    sync()
+    t0 = time.perf_counter()
+    fn()
+    sync()
+    return 1000 * (time.perf_counter() - t0)
+
+
 def _median_ms(fn, device, reps: int = 3) -> float:
     sync = dtypes.synchronizer(device)
     fn()
-    times = []
-    for _ in range(reps):
-        sync()
-        t0 = time.perf_counter()
-        fn()
-        sync()
-        times.append(time.perf_counter() - t0)
-    return 1000 * sorted(times)[reps // 2]
+    return sorted(_ms(fn, sync) for _ in range(reps))[reps // 2]
 
 
 def _median_ratio(fn, step, device, reps: int = 3) -> float:
     """fn's time in decode steps, each timing of fn beside one of the step: a CPU's memory bandwidth drifts between
     measurements made apart (on a 2-core EPYC a 3-row pass read 1.42 steps so, where it costs 1.05)."""
+    sync = dtypes.synchronizer(device)
     fn()
-    ratios = sorted(_median_ms(fn, device, reps=1) / _median_ms(step, device, reps=1) for _ in range(reps))
-    return ratios[reps // 2]
+    return sorted(_ms(fn, sync) / _ms(step, sync) for _ in range(reps))[reps // 2]
 
 
 def _target_pass(target, tokens, pos, mask):
