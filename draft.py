@@ -28,8 +28,7 @@ class DraftHead(nn.Module):
         self.args = args
         self.max_seq_length = 0
         self.taps = ()  # EAGLE-3: the target layers whose inputs the head reads (target.taps)
-        # Target token ids the head may propose (empty: the whole vocabulary). A draft step over 10 rows
-        # reads the LM head once per level; 16k of 49k rows cuts that read by two thirds.
+        # Target ids the head may propose (empty: all). Each draft level reads its LM head: 16k of 49k rows, a third
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"),
                              persistent=draft_vocab_size > 0)  # off the meta device: a checkpoint without one never fills it
 

@@ -14,6 +14,7 @@ from torch import Tensor
 
 import batch
 import dtypes
+import quant
 import sizing
 import tp
 from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
@@ -201,10 +202,10 @@ class Generator:
         self.tokenizer = tokenizer  # for chat(); load_generator sets it
         self.kv_key = object()  # marks the target's caches as this Generator's (a copied target's never match)
         self.device = target.tok_embeddings.weight.device
+        quant.logits_in_fp32(target)  # bf16: fp32 logits where rowsmm's kernel runs, so near-ties go by value
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
-        # An EAGLE-3 head reads the states entering its tap layers: the target hands them over from the
-        # prefill and verify passes it runs anyway (target.taps); every other drafter reads post-norm states.
+        # EAGLE-3 heads read the states entering their tap layers, handed over by the prefill and verify passes (target.taps)
         self.taps = head.taps if head is not None else ()
         target.taps = self.taps
         feat_dim = target.args.dim * (len(self.taps) or 1)

@@ -310,14 +310,28 @@ class RowsLinear(PackedLinear):
     """PackedLinear whose bf16 weight is packed for rowsmm's kernel instead (where rowsmm.fits it: AVX512-BF16): the
     weight read once for up to 16 rows, where oneDNN and the GEMM templates turn compute-bound past a few."""
 
+    fp32_out = False  # logits_in_fp32: sums written as they are, not rounded to bf16
+
     def pack(self):
         self.packed = rowsmm.pack(self.weight.detach()) if rowsmm.fits(self) else None
 
     def forward(self, x: Tensor) -> Tensor:
         if self.packed is None or x.dtype != self.weight.dtype:
             return nn.Linear.forward(self, x)
-        y = torch.ops.eaglet.rows_mm(x, self.packed)
+        y = (torch.ops.eaglet.rows_mm_f32 if self.fp32_out else torch.ops.eaglet.rows_mm)(x, self.packed)
         return y if self.bias is None else y + self.bias
+
+
+def logits_in_fp32(model: nn.Module) -> nn.Module:
+    """A bf16 model's LM head as a RowsLinear writing fp32 logits, where rowsmm's kernel runs (else unchanged). Rounded
+    to bf16, logits near 25 lie 0.125 apart and near-ties break by token id: SmolLM2 answered "What is the capital of
+    France?" with "L'Étoile..." where fp32 says "The capital of France is Paris." (25.33 against 25.24 in fp32; 25.38
+    both in bf16; 25.43 against 25.34 as fp32 sums of the same bf16 products). No autograd: for decoding only."""
+    if rowsmm.fits(model.output):
+        if not isinstance(model.output, RowsLinear):
+            model.output = RowsLinear(model.output)
+        model.output.fp32_out = True
+    return model
 
 
 def pack_linears(*models):

@@ -30,10 +30,13 @@ SOURCE = r"""
 #include <torch/library.h>
 #include <immintrin.h>
 
+static inline void store16(at::BFloat16* y, __m512 a) { _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(a)); }
+static inline void store16(float* y, __m512 a) { _mm512_storeu_ps(y, a); }
+
 // R rows (<= 16) times NB blocks of 16 outputs: NB * R accumulators in registers, NB weight loads per input pair.
-template <int R, int NB>
+template <int R, int NB, typename Y>
 static inline void tile(const int32_t* __restrict w, int64_t block, const int32_t* __restrict x, int64_t xs, int64_t pairs,
-                        at::BFloat16* __restrict y, int64_t ys) {
+                        Y* __restrict y, int64_t ys) {
   __m512 acc[NB][R];
 #pragma GCC unroll 16
   for (int b = 0; b < NB; b++)
@@ -56,42 +59,43 @@ static inline void tile(const int32_t* __restrict w, int64_t block, const int32_
 #pragma GCC unroll 16
   for (int b = 0; b < NB; b++)
 #pragma GCC unroll 16
-    for (int r = 0; r < R; r++)
-      _mm256_storeu_si256((__m256i*)(y + r * ys + b * 16), (__m256i)_mm512_cvtneps_pbh(acc[b][r]));
+    for (int r = 0; r < R; r++) store16(y + r * ys + b * 16, acc[b][r]);
 }
 
 // Blocks [b0, b1) NB at a time, the rest in halves: NB * R independent accumulators hide vdpbf16ps' latency when rows
 // are few.
-template <int R, int NB>
-static void span(const int32_t* w, int64_t b0, int64_t b1, int64_t pairs, const int32_t* x, at::BFloat16* y, int64_t ys) {
+template <int R, int NB, typename Y>
+static void span(const int32_t* w, int64_t b0, int64_t b1, int64_t pairs, const int32_t* x, Y* y, int64_t ys) {
   int64_t b = b0;
   for (; b + NB <= b1; b += NB) tile<R, NB>(w + b * pairs * 16, pairs * 16, x, pairs, pairs, y + b * 16, ys);
   if constexpr (NB > 1)
     if (b < b1) span<R, NB / 2>(w, b, b1, pairs, x, y, ys);
 }
 
-template <int R>
-static void rows(const int32_t* w, int64_t blocks, int64_t pairs, const int32_t* x, at::BFloat16* y, int64_t ys) {
+template <int R, typename Y>
+static void rows(const int32_t* w, int64_t blocks, int64_t pairs, const int32_t* x, Y* y, int64_t ys) {
   constexpr int NB = R <= 2 ? 8 : R <= 4 ? 4 : R <= 12 ? 2 : 1;
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { span<R, NB>(w, b0, b1, pairs, x, y, ys); });
 }
 
-at::Tensor rows_mm(const at::Tensor& input, const at::Tensor& w) {
+// Y: the output's type, bf16 or (the LM head's logits, not rounded to bf16's 8 bits) fp32.
+template <typename Y>
+at::Tensor rows_mm_to(const at::Tensor& input, const at::Tensor& w, at::ScalarType out) {
   TORCH_CHECK(input.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kInt && w.dim() == 3 && w.size(2) == 16
               && input.size(-1) == 2 * w.size(1) && w.is_contiguous(), "eaglet::rows_mm: bf16 rows, rowsmm.pack's weight");
   auto x = input.contiguous();
   int64_t K = x.size(-1), M = K ? x.numel() / K : 0, blocks = w.size(0), pairs = w.size(1), N = blocks * 16;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
-  auto y = at::empty(sizes, x.options());
+  auto y = at::empty(sizes, x.options().dtype(out));
   auto xp = (const int32_t*)x.data_ptr();
   auto wp = w.data_ptr<int32_t>();
-  auto yp = y.data_ptr<at::BFloat16>();
+  auto yp = y.data_ptr<Y>();
   for (int64_t m = 0; m < M; m += 16) {  // more rows: 16 at a time, the weight read again for each
     auto xm = xp + m * pairs;
     auto ym = yp + m * N;
     switch (std::min<int64_t>(16, M - m)) {
-#define ROWS(n) case n: rows<n>(wp, blocks, pairs, xm, ym, N); break;
+#define ROWS(n) case n: rows<n, Y>(wp, blocks, pairs, xm, ym, N); break;
       ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
       ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
 #undef ROWS
@@ -99,6 +103,9 @@ at::Tensor rows_mm(const at::Tensor& input, const at::Tensor& w) {
   }
   return y;
 }
+
+at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w) { return rows_mm_to<at::BFloat16>(x, w, at::kBFloat16); }
+at::Tensor rows_mm_f32(const at::Tensor& x, const at::Tensor& w) { return rows_mm_to<float>(x, w, at::kFloat); }
 
 // e^x for x <= 0 (softmax after its max is taken; -inf gives 0): Cephes' expf, a degree-6 polynomial after 2^n is split off.
 static inline __m512 exp_ps(__m512 x) {
@@ -313,10 +320,12 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
 
 TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm(Tensor x, Tensor w) -> Tensor");
+  m.def("rows_mm_f32(Tensor x, Tensor w) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rows_mm", &rows_mm);
+  m.impl("rows_mm_f32", &rows_mm_f32);
   m.impl("attend", &attend);
 }
 """
@@ -349,8 +358,9 @@ def available() -> bool:
     except Exception as e:  # no compiler, no ninja: a slower path, not a failure
         print(f"eaglet: the bf16 kernels did not build ({' '.join(str(e).split())[:200]}); oneDNN serves", file=sys.stderr)
         return False
-    torch.library.register_fake("eaglet::rows_mm")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0] * LANES))
-    torch.library.register_vmap("eaglet::rows_mm")(batch_rule)
+    for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32)):
+        torch.library.register_fake(f"eaglet::{op}")(lambda x, w, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
+        torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
     torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
     global ATTENDS
@@ -358,11 +368,11 @@ def available() -> bool:
     return True
 
 
-def batch_rule(info, in_dims, x, w):
+def batch_rule(op, info, in_dims, x, w):
     """Under batch.py's vmap: leading dims are rows to the kernel, so the batch dim moves to the front, one call."""
     if in_dims[1] is not None:
         raise NotImplementedError("eaglet::rows_mm batched over its weights")
-    return torch.ops.eaglet.rows_mm(x.movedim(in_dims[0], 0), w), 0
+    return op(x.movedim(in_dims[0], 0), w), 0
 
 
 def attend_batch_rule(info, in_dims, *args):

@@ -49,6 +49,57 @@ def test_a_row_does_not_depend_on_its_neighbours():
         assert torch.equal(torch.ops.eaglet.rows_mm(x[:rows], packed), alone[:rows]), rows
 
 
+def test_rows_mm_f32_writes_the_sums_unrounded():
+    """rows_mm_f32 writes the fp32 sums rows_mm rounds: within fp32's rounding of the double-precision product (far
+    inside one bf16 step), rows_mm's output being exactly these sums rounded to bf16, and a row's values again
+    independent of its neighbours."""
+    assert rowsmm.available()
+    torch.manual_seed(2)
+    w = torch.randn(960, 576).bfloat16()
+    packed = rowsmm.pack(w)
+    x = torch.randn(17, 576).bfloat16()
+    alone = torch.cat([torch.ops.eaglet.rows_mm_f32(x[i : i + 1], packed) for i in range(16)])
+    for rows in [*range(1, 18)]:
+        y = torch.ops.eaglet.rows_mm_f32(x[:rows], packed)
+        ref = reference(x[:rows], w)
+        assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
+        assert torch.equal(torch.ops.eaglet.rows_mm(x[:rows], packed), y.bfloat16()), rows
+        assert torch.equal(y[:16], alone[:rows]), rows
+
+
+def test_logits_in_fp32_break_a_near_tie_by_value():
+    """quant.logits_in_fp32: two logits 0.1 apart near 25 round to one bf16 value (0.125 apart there), where argmax
+    takes the lower token id; written in fp32 the larger one wins. The Generator installs it on a bf16 target (the LM
+    head's weight still the tied embedding's), and its decode step reads fp32 logits."""
+    from eaglet import Generator
+    from model import Transformer
+
+    assert rowsmm.available()
+    w = torch.zeros(64, 64)
+    w[3, :2] = torch.tensor([25.0, 0.1875])  # token 3: 25 + 0.1875 * 1.0625 = 25.19921875
+    w[5, :2] = torch.tensor([25.0, 0.28125])  # token 5: 25 + 0.28125 * 1.0625 = 25.298828125
+    model = nn.Module()
+    model.output = nn.Linear(64, 64, bias=False).bfloat16()
+    model.output.weight.data.copy_(w)
+    h = torch.zeros(1, 64).bfloat16()
+    h[0, :2] = torch.tensor([1.0, 1.0625])
+    with torch.no_grad():
+        assert model.output(h).argmax().item() == 3  # both round to 25.25: the lower id
+        quant.logits_in_fp32(model)
+        logits = model.output(h)
+    assert logits.dtype == torch.float32 and logits.argmax().item() == 5
+    assert logits[0, 5].item() == 25.298828125 and logits[0, 3].item() == 25.19921875
+
+    from conftest import _random_model, _tiny_args
+
+    target = _random_model(_tiny_args(tie_embeddings=True), seed=0).bfloat16()
+    gen = Generator(target)
+    assert isinstance(target.output, quant.RowsLinear) and target.output.fp32_out
+    assert target.output.weight is target.tok_embeddings.weight
+    result = gen.generate([1, 2, 3], max_new_tokens=4)
+    assert len(result.token_ids) == 4
+
+
 def test_rows_linear_follows_its_weight():
     """quant.pack_linears installs quant.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
     included), packs again when its weight is loaded or cast, keeps its own copy in a deep copy, and in fp32 runs as
