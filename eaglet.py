@@ -326,8 +326,6 @@ class Generator:
         """Answers to several prompts at once (batch.py): each prompt is prefilled alone, then every step runs all
         rows in one forward, one draft tree per row. A row's answer is what generate() gives it alone; a row that
         is done waits for the others. -> a Result per prompt (seconds: the whole batch's)."""
-        if tp.world_size() > 1:  # measured: under vmap the sharded layers' all-reduces go wrong (issue 16)
-            raise UsageError("batches do not run under tensor parallelism yet: give each process one prompt")
         for prompt in prompts:
             self.check(prompt, max_new_tokens)
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)

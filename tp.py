@@ -2,6 +2,7 @@
 # layer's attention heads and MLP channels, and one all-reduce after `wo` and one after `w2` make the
 # layer outputs whole again. Embedding, norms and LM head stay replicated, so the post-norm features,
 # the logits and the EAGLE head (which reads all three) are the same on every rank.
+import functools
 import os
 import sys
 import traceback
@@ -139,6 +140,19 @@ def all_reduce_output(group):
     return hook
 
 
+@functools.cache
+def batch_collectives():
+    """vmap rules for the functional all-reduce and its wait, so batch.py's rows share one collective: vmap's
+    fallback for them handed each rank back its own partial sums, unreduced (a batch gave wrong tokens)."""
+    def rule(op):
+        def run(info, in_dims, x, *args):
+            return (op(x, *args), None) if in_dims[0] is None else (op(x.movedim(in_dims[0], 0), *args), 0)
+        return run
+
+    for name in ("all_reduce", "wait_tensor"):
+        torch.library.register_vmap(f"_c10d_functional::{name}", rule(getattr(torch.ops._c10d_functional, name)))
+
+
 def shard_model(model: nn.Module, rank: int, world: int) -> nn.Module:
     """Keeps this rank's slice of every layer's heads and MLP channels (no communication)."""
     for layer in model.layers:
@@ -159,6 +173,7 @@ def apply_tp(model: nn.Module) -> nn.Module:
     if world < 2:
         return model
     check_shardable(model, world)
+    batch_collectives()
     shard_model(model, dist.get_rank(), world)
     for layer in model.layers:
         layer.attention.register_forward_hook(all_reduce_output(dist.group.WORLD))
