@@ -147,6 +147,8 @@ def bench(a) -> dict:
         gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
         for batch in a.batch_sizes or [0]:
             name = f"{mode} B={batch}" if batch else mode
+            if mode == "eagle2" and batch > 1:  # each batch size its own tree (eaglet.tree_spec)
+                gen = load_generator(a.checkpoint, a.draft, mode, target=target, batch=batch, **mode_options(a, mode))[0]
             results[name], outputs[name] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling, batch=batch)
             results[name]["mode"] = name
             _partial(a, base, conversations, results)
@@ -399,7 +401,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--speculate-k", type=int, default=None)
-    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: tree nodes filled from the prompt lookup match (default: min(3, depth); 0: none)")
+    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: tree nodes filled from the prompt lookup match (default: min(3, depth), none in a batch; 0: none)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",

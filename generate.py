@@ -39,7 +39,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=None, help="eagle2: draft levels (default: sized for the device)")
     p.add_argument("--topk", type=int, default=None, help="eagle2: nodes expanded per level, children per node (default: sized for the device)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="eagle2: m, tree nodes verified besides the root (default: sized for the device)")
-    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth); 0: none)")
+    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth), none in a batch; 0: none)")
     p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -128,9 +128,11 @@ def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
         sampling = check_sampling(a.temperature, a.top_k, a.top_p)
+        questions = (a.prompt or []) + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots)
+                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots,
+                                        batch=max(1, len(questions)))  # a batch's tree is sized for its rows
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)
@@ -140,7 +142,6 @@ def main(argv=None) -> int:
             if tp.world_size() > 1:
                 raise UsageError("--interactive runs in one process, not under torchrun")
             return chat(gen, tokenizer, a, sampling, chat_template)
-        questions = (a.prompt or []) + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
         prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": q}], chat_template) for q in questions or [DEFAULT_PROMPT]]
         if len(prompts) > 1:
             return answer_batch(gen, tokenizer, prompts, a, sampling, quiet)

@@ -40,9 +40,10 @@ def expected_tau(m: int, depth: int, k: int, a: float = RANK_ACCEPT) -> float:
     return tau
 
 
-def lookup_slots(depth: int, given=None) -> int:
-    """eagle2's prompt-lookup slots: given, else min(LOOKUP_SLOTS, depth)."""
-    return min(LOOKUP_SLOTS, depth) if given is None else given
+def lookup_slots(depth: int, given=None, batch: int = 1) -> int:
+    """eagle2's prompt-lookup slots: given, else min(LOOKUP_SLOTS, depth) for one sequence and none for a batch (there
+    each slot is B more verified rows, and the cost model does not value their tokens)."""
+    return given if given is not None else min(LOOKUP_SLOTS, depth) if batch == 1 else 0
 
 
 def verify_cost(costs: dict, T: int) -> float:
@@ -53,25 +54,28 @@ def verify_cost(costs: dict, T: int) -> float:
     return r0 + (r1 - r0) * (T - t0) / (t1 - t0)
 
 
-def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None) -> float:
-    """A cycle in decode steps: the context pass over depth+1 rows, depth-1 expansions of k rows, the verify
-    of the root, m nodes and the lookup slots (their tokens are not valued: on text without repeats they are dead)."""
+def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int = 1) -> float:
+    """A cycle in decode steps (of batch rows): the context pass over depth+1 rows, depth-1 expansions of k rows, the
+    verify of the root, m nodes and the lookup slots (their tokens are not valued: on text without repeats they are
+    dead); every row once per sequence of the batch."""
     level = costs["level"]
-    ctx = level["4"] + (level["10"] - level["4"]) * (depth + 1 - 4) / 6  # row costs are close to linear
-    return ctx + (depth - 1) * level[str(k)] + verify_cost(costs, m + 1 + lookup_slots(depth, lookup))
+    rows = lambda n: level["4"] + (level["10"] - level["4"]) * (batch * n - 4) / 6  # noqa: E731 (row costs are close to linear)
+    cycle = rows(depth + 1) + (depth - 1) * rows(k) + verify_cost(costs, batch * (m + 1 + lookup_slots(depth, lookup, batch)))
+    return cycle / (1.0 if batch == 1 else verify_cost(costs, batch))
 
 
-def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT, lookup=None) -> list:
+def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT, lookup=None, batch: int = 1) -> list:
     """(m, depth, k) options, keeping any that are given, best first by expected tokens per decode step of
-    time; m never exceeds the pool of k + (depth-1) k^2 candidates. lookup: the trees' lookup slots (None: lookup_slots')."""
+    time; m never exceeds the pool of k + (depth-1) k^2 candidates. lookup: the trees' lookup slots (None: lookup_slots');
+    batch: the sequences a cycle runs at once (generate_batch), each with its own tree, against a step of that many rows."""
     grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_CHOICES)
-    options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup) <= d]
+    options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup, batch) <= d]
     if not options:
         if lookup is not None and lookup > (depth or max(DEPTH_CHOICES)):
             raise ValueError(f"--lookup-slots {lookup} exceeds the tree's depth {depth or max(DEPTH_CHOICES)}")
         raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}"
                          + (f" and depth >= --lookup-slots {lookup}" if lookup else ""))
-    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup), o[0]))
+    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup, batch), o[0]))
 
 
 def _ms(fn, sync) -> float:
@@ -210,10 +214,10 @@ def record_sweep(target, head, best: tuple, compiled=False):
     cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {"swept": list(best)})
 
 
-def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None) -> tuple:
-    """(m, depth, k) for this device: a --sweep result if there is one and nothing is given, else the cost
-    model's best around whatever is given. Times the device the first time (device_costs), then reads the cache."""
+def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1) -> tuple:
+    """(m, depth, k) for this device and batch size: a --sweep result (one sequence) if there is one and nothing is given,
+    else the cost model's best around whatever is given. Times the device the first time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
-    if "swept" in costs and not (m or depth or k):
+    if "swept" in costs and not (m or depth or k) and batch == 1:
         return tuple(costs["swept"])
-    return ranked_trees(costs, m, depth, k, lookup=lookup)[0]
+    return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch)[0]

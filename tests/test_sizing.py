@@ -62,6 +62,28 @@ def test_verify_costs_interpolate_and_the_lookup_slots_are_verified_too():
         sizing.ranked_trees(STEEP, depth=3, lookup=4)
 
 
+# A CPU's rows kernel: a pass costs a step up to 16 rows (13 measured), then the weights are read again (17: 2.06).
+KERNEL = costs(lambda T: 1.0 if T <= 16 else 1 + T / 16, 0.05, 0.05)
+
+
+def test_a_batch_gets_a_tree_sized_for_its_rows(tiny_args, random_model, random_head, monkeypatch):
+    """B sequences verify B(m+1) rows against a step of B rows: one sequence gets 13 rows (m 12), four get 3 each (m 2,
+    12 rows), where a bigger tree would cross 16 rows; a batch's default has no lookup slots, which would cost B rows
+    each. eaglet.tree_spec sizes the Generator's tree so for load_generator(batch=B)."""
+    import eaglet
+
+    assert sizing.ranked_trees(KERNEL, lookup=0)[0][0] == 12
+    assert sizing.ranked_trees(KERNEL, batch=4)[0][0] == 2
+    assert sizing.lookup_slots(3) == 3 and sizing.lookup_slots(3, batch=4) == 0 and sizing.lookup_slots(3, 1, batch=4) == 1
+    assert sizing.cycle_cost(KERNEL, 2, 2, 4, batch=4) == pytest.approx(0.05 + 0.05 + 1.0)  # 12 rows: one step of 4
+    assert sizing.cycle_cost(KERNEL, 4, 2, 4, batch=4) > 2  # 20 rows
+    monkeypatch.setattr(sizing, "device_costs", lambda *a, **kw: KERNEL)
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    spec = eaglet.tree_spec("eagle2", target, head, batch=4)
+    assert (spec.num_draft_tokens, spec.lookup_slots) == (2, 0)
+    assert eaglet.tree_spec("eagle2", target, head, lookup_slots=0).num_draft_tokens == 12
+
+
 def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tiny_args, random_model, random_head):
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
