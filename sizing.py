@@ -59,7 +59,10 @@ def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int 
     verify of the root, m nodes and the lookup slots (their tokens are not valued: on text without repeats they are
     dead); every row once per sequence of the batch."""
     level = costs["level"]
-    rows = lambda n: level["4"] + (level["10"] - level["4"]) * (batch * n - 4) / 6  # noqa: E731 (row costs are close to linear)
+
+    def rows(n):  # a head pass over n rows a sequence: row costs are close to linear
+        return level["4"] + (level["10"] - level["4"]) * (batch * n - 4) / 6
+
     cycle = rows(depth + 1) + (depth - 1) * rows(k) + verify_cost(costs, batch * (m + 1 + lookup_slots(depth, lookup, batch)))
     return cycle / (1.0 if batch == 1 else verify_cost(costs, batch))
 

@@ -8,7 +8,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import cache
 import model
 import sizing
-from eaglet import Generator
+from eaglet import Generator, tree_spec
 from sampling import Sampling
 from speculate import TreeSpec
 
@@ -70,8 +70,6 @@ def test_a_batch_gets_a_tree_sized_for_its_rows(tiny_args, random_model, random_
     """B sequences verify B(m+1) rows against a step of B rows: one sequence gets 13 rows (m 12), four get 3 each (m 2,
     12 rows), where a bigger tree would cross 16 rows; a batch's default has no lookup slots, which would cost B rows
     each. eaglet.tree_spec sizes the Generator's tree so for load_generator(batch=B)."""
-    import eaglet
-
     assert sizing.ranked_trees(KERNEL, lookup=0)[0][0] == 12
     assert sizing.ranked_trees(KERNEL, batch=4)[0][0] == 2
     assert sizing.lookup_slots(3) == 3 and sizing.lookup_slots(3, batch=4) == 0 and sizing.lookup_slots(3, 1, batch=4) == 1
@@ -79,9 +77,9 @@ def test_a_batch_gets_a_tree_sized_for_its_rows(tiny_args, random_model, random_
     assert sizing.cycle_cost(KERNEL, 4, 2, 4, batch=4) > 2  # 20 rows
     monkeypatch.setattr(sizing, "device_costs", lambda *a, **kw: KERNEL)
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
-    spec = eaglet.tree_spec("eagle2", target, head, batch=4)
+    spec = tree_spec("eagle2", target, head, batch=4)
     assert (spec.num_draft_tokens, spec.lookup_slots) == (2, 0)
-    assert eaglet.tree_spec("eagle2", target, head, lookup_slots=0).num_draft_tokens == 12
+    assert tree_spec("eagle2", target, head, lookup_slots=0).num_draft_tokens == 12
 
 
 def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tiny_args, random_model, random_head):
