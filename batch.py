@@ -70,43 +70,62 @@ def batched(step):
 
 
 @torch.inference_mode()
-def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set) -> tuple:
-    """Generator.generate_batch's loop. -> ([(token ids, accept-length histogram) per row], seconds, prefill seconds)."""
+def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set, batch_size: int = 0) -> tuple:
+    """Generator.generate_batch's loop over batch_size rows (0: one per prompt). A row whose answer is done takes the
+    next waiting prompt, so the rows stay full until the prompts run out: a batch is not held to its slowest answer.
+    -> ([(token ids, accept-length histogram) per prompt], seconds, prefill seconds)."""
+    B = min(batch_size or len(prompts), len(prompts))
     gen.reserve(max(map(len, prompts)) + max_new_tokens)
     gen.target.taps = gen.taps
     drafter, device = gen.head if gen.head is not None else gen.draft_model, gen.device
-    if gen.rows is None or not gen.rows.fits(gen.target, drafter, gen.state, len(prompts)):
-        gen.rows = Rows(gen.target, drafter, gen.state, len(prompts))
+    if gen.rows is None or not gen.rows.fits(gen.target, drafter, gen.state, B):
+        gen.rows = Rows(gen.target, drafter, gen.state, B)
     sync = dtypes.synchronizer(device)
+    outs, hists = [None] * len(prompts), [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
+    done = lambda out: len(out) >= max_new_tokens or out[-1] in stop_ids  # noqa: E731
+    waiting, answering, prefill_seconds = iter(range(len(prompts))), [None] * B, 0.0
+
+    def admit(b: int) -> bool:
+        """Row b takes waiting prompts, each prefilled alone the single-sequence way, until one has an answer to go on
+        with; -> whether it found one."""
+        nonlocal prefill_seconds
+        for i in waiting:
+            t = time.perf_counter()
+            x = torch.tensor([prompts[i]], device=device)
+            h, feats = gen.prefill(gen.target, x, torch.tensor(0, device=device))
+            outs[i] = [int(sampling.draw(gen.target.output(h[-1])))]
+            if gen.spec:
+                gen._start(x, feats, torch.tensor(outs[i][0], device=device))
+            gen.rows.save(b)
+            sync()
+            prefill_seconds += time.perf_counter() - t
+            if not done(outs[i]):
+                answering[b] = i
+                return True
+        answering[b] = None
+        return False
+
     sync()
     t0 = time.perf_counter()
-    outs = []
-    for i, prompt in enumerate(prompts):  # each prompt alone, the single-sequence way, then saved as row i
-        x = torch.tensor([prompt], device=device)
-        h, feats = gen.prefill(gen.target, x, torch.tensor(0, device=device))
-        outs.append([int(sampling.draw(gen.target.output(h[-1])))])
-        if gen.spec:
-            gen._start(x, feats, torch.tensor(outs[-1][0], device=device))
-        gen.rows.save(i)
-    gen.kv_streams[gen.target] = (None, [])  # the caches hold the last prompt's prefill only: nothing to reuse
-    prefill_seconds = time.perf_counter() - t0
-    hists = [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
-    live = [len(o) < max_new_tokens and o[-1] not in stop_ids for o in outs]
+    live = [admit(b) for b in range(B)]
+    gen.kv_streams[gen.target] = (None, [])  # the caches hold a prefill only: nothing to reuse
     while any(live):
         live_rows = torch.tensor(live, device=device)
         if gen.spec:
             chunks = gen.batch_cycle(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
         else:  # a finished row repeats its last position: its writes land past its end
-            pos = torch.tensor([[len(p) + len(o) - 1] for p, o in zip(prompts, outs)], device=device)
-            token = torch.tensor([o[-1:] for o in outs], device=device)
+            last = [answering[b] if live[b] else 0 for b in range(B)]
+            pos = torch.tensor([[len(prompts[i]) + len(outs[i]) - 1] for i in last], device=device)
+            token = torch.tensor([outs[i][-1:] for i in last], device=device)
             chunks = gen.batch_step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
         for b, chunk in enumerate(chunks):
             if not live[b]:
                 continue
+            i = answering[b]
             if gen.spec:  # [accept_len, committed tokens...] (lookup: and whether it found a match, unused here)
-                hists[b][chunk[0]] += 1
+                hists[i][chunk[0]] += 1
                 chunk = chunk[1:chunk[0] + 2]
-            outs[b] += cut(chunk, max_new_tokens - len(outs[b]), stop_ids)
-            live[b] = len(outs[b]) < max_new_tokens and outs[b][-1] not in stop_ids
+            outs[i] += cut(chunk, max_new_tokens - len(outs[i]), stop_ids)
+            live[b] = not done(outs[i]) or admit(b)
     sync()
     return list(zip(outs, hists)), time.perf_counter() - t0, prefill_seconds

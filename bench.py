@@ -71,17 +71,16 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
     """Generates an answer for every turn (first turns unless --multi-turn); returns totals and every answer's
     token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds).
     reuse: a turn prefills only what the caches do not hold from the conversation's earlier turns.
-    batch: first turns batch at a time (Generator.generate_batch); a last, smaller group is left out."""
+    batch: every first turn through this many rows (Generator.generate_batch: a row that is done takes the next turn)."""
     totals = dict(new_tokens=0, seconds=0.0, decode_seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[], prefill=[])
     if batch:
-        for i in range(0, len(conversations) - batch + 1, batch):
-            prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations[i:i + batch]]
-            torch.manual_seed(a.seed)
-            results = gen.generate_batch(prompts, a.max_new_tokens, sampling, margs.stop_tokens)
-            totals["seconds"] += results[0].seconds
-            totals["decode_seconds"] += results[0].seconds - results[0].prefill_seconds
-            for r in results:
-                add_result(totals, r)
+        prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
+        torch.manual_seed(a.seed)
+        results = gen.generate_batch(prompts, a.max_new_tokens, sampling, margs.stop_tokens, batch)
+        totals["seconds"] += results[0].seconds
+        totals["decode_seconds"] += results[0].seconds - results[0].prefill_seconds
+        for r in results:
+            add_result(totals, r)
         return totals
     it = conversations
     if progress:
@@ -241,7 +240,7 @@ def prefill_per_turn(prefill: list) -> dict:
 
 def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reuse=None, batch=0) -> tuple:
     """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode). reuse: default --multi-turn.
-    batch: rows per generate_batch call (0: one prompt at a time)."""
+    batch: the rows generate_batch answers every turn through (0: one prompt at a time, generate())."""
     reuse = a.multi_turn if reuse is None else reuse
     ours = isinstance(gen, Generator)
     if ours:  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
@@ -415,7 +414,7 @@ def main(argv=None) -> int:
     p.add_argument("--groupsize", type=int, default=32, help="with --quantize int4")
     p.add_argument("--assume-tau", type=float, default=4.7, help="with --random-shape: tau for the implied tokens/s (EAGLE-2 paper: 4.7)")
     p.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
-                   help="each mode also at these batch sizes (first turns, B per generate_batch; a last, smaller group is left out)")
+                   help="each mode also at these batch sizes (every first turn through B rows, a row that is done taking the next turn)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="--batch-sizes B")
     p.add_argument("--json-out", type=Path, default=None)
     try:

@@ -199,8 +199,7 @@ class Generator:
 
     def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[DraftHead] = None,
                  draft_model: Optional[Transformer] = None, compile: bool = False, tokenizer=None):
-        self.target, self.spec, self.head, self.draft_model = target, spec, head, draft_model
-        self.tokenizer = tokenizer  # for chat(); load_generator sets it
+        self.target, self.spec, self.head, self.draft_model, self.tokenizer = target, spec, head, draft_model, tokenizer  # tokenizer: chat()'s
         self.kv_key = object()  # marks the target's caches as this Generator's (a copied target's never match)
         self.device = target.tok_embeddings.weight.device
         quant.logits_in_fp32(target)  # bf16: fp32 logits where rowsmm's kernel runs, so near-ties go by value
@@ -284,8 +283,7 @@ class Generator:
         prefill_seconds = time.perf_counter() - t0
         lap and lap("prefill")
         out = [int(root)]
-        if on_tokens:
-            on_tokens(out[:])
+        on_tokens and on_tokens(out[:])
         hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
         cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
         if self.spec:
@@ -309,8 +307,7 @@ class Generator:
                 new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
             new = batch.cut(new, max_new_tokens - len(out), stop_ids)
             out += new
-            if on_tokens:
-                on_tokens(new)
+            on_tokens and on_tokens(new)
         sync()
         self.kv_streams[self.target] = (self.kv_key, prompt + out)
         return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
@@ -323,14 +320,14 @@ class Generator:
         if len(prompt) + max_new_tokens > self.target.args.block_size:
             raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
 
-    def generate_batch(self, prompts: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None) -> list:
-        """Answers to several prompts at once (batch.py): each prompt is prefilled alone, then every step runs all
-        rows in one forward, one draft tree per row. A row's answer is what generate() gives it alone; a row that
-        is done waits for the others. -> a Result per prompt (seconds: the whole batch's)."""
+    def generate_batch(self, prompts: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, batch_size: int = 0) -> list:
+        """Answers to several prompts, batch_size rows at a time (0: all; batch.py): one forward for every row's step or
+        tree, a row that is done taking the next waiting prompt. Each answer is what generate() gives its prompt alone.
+        -> a Result per prompt, in order (seconds: the whole run's)."""
         for prompt in prompts:
             self.check(prompt, max_new_tokens)
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
-        rows, seconds, prefill_seconds = batch.generate(self, prompts, max_new_tokens, sampling, stop_ids)
+        rows, seconds, prefill_seconds = batch.generate(self, prompts, max_new_tokens, sampling, stop_ids, batch_size)
         return [Result(out, seconds, sum(hist) if self.spec else 0, hist if self.spec else None, len(prompt), prefill_seconds)
                 for (out, hist), prompt in zip(rows, prompts)]
 

@@ -24,6 +24,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", default=None, help="default: What is the capital of France?; repeated: answered in one batch")
     p.add_argument("--prompts", type=Path, default=None, help="answer the first turns of an MT-bench-format jsonl in one batch")
+    p.add_argument("--batch-size", type=int, default=0, help="several prompts: this many rows at a time, a row that is done taking the next prompt (default: all)")
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template (default: on for chat models)")
     p.add_argument("--max-new-tokens", type=int, default=200)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (argmax)")
@@ -109,7 +110,7 @@ def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
 def answer_batch(gen, tokenizer, prompts: list, a, sampling, quiet: bool) -> int:
     """Several prompts in one batch (Generator.generate_batch): each answer in order, or one JSON object per answer."""
     stops = gen.target.args.stop_tokens
-    results = gen.generate_batch(prompts, a.max_new_tokens, sampling, stops)
+    results = gen.generate_batch(prompts, a.max_new_tokens, sampling, stops, a.batch_size)
     for i, result in enumerate([] if quiet else results):
         text = tokenizer.decode([t for t in result.token_ids if t not in stops])
         if a.json:
@@ -129,10 +130,12 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
         sampling = check_sampling(a.temperature, a.top_k, a.top_p)
         questions = (a.prompt or []) + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
+        if a.batch_size < 0:
+            raise UsageError(f"--batch-size must be >= 0, got {a.batch_size}")
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
                                         draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots,
-                                        batch=max(1, len(questions)))  # a batch's tree is sized for its rows
+                                        batch=min(a.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)

@@ -64,6 +64,17 @@ def test_every_row_equals_its_prompt_alone(tiny, name, B):
         assert all(sum((a + 1) * c for a, c in enumerate(r.accept_hist)) + 1 > len(r.token_ids) for r, ref in zip(results, tiny.refs) if len(ref) == NEW_TOKENS)
 
 
+@pytest.mark.parametrize("name", ["none", "eagle2", "eagle2-lookup", "lookup", "sps-self"])
+def test_two_rows_answer_four_prompts_each_as_alone(tiny, name):
+    """A row that is done takes the next waiting prompt: prompt 1 stops early, so prompt 2 enters its row while
+    prompt 0 is still being answered beside it, and prompt 3 takes whichever row is done next."""
+    gen = generator(tiny, name)
+    results = gen.generate_batch(tiny.prompts, NEW_TOKENS, GREEDY, tiny.stop, batch_size=2)
+    assert gen.rows.batch == 2 and [r.token_ids for r in results] == tiny.refs
+    if name not in ("none", "lookup"):  # each answer counts its own cycles, not its row's (a batch's lookup always drafts)
+        assert [r.cycles for r in results] == [generator(tiny, name).generate(p, NEW_TOKENS, GREEDY, tiny.stop).cycles for p in tiny.prompts]
+
+
 @pytest.mark.parametrize("name", ["eagle2", "eagle"])
 def test_rows_with_an_eagle3_head_equal_their_prompts_alone(tiny, name):
     results = generator(tiny, name, head="eagle3").generate_batch(tiny.prompts[:3], NEW_TOKENS, GREEDY, tiny.stop)
@@ -102,8 +113,9 @@ def test_compiled_batches_equal_their_prompts_alone_without_recompiling(tiny):
     first = gen.generate_batch(tiny.prompts[:2], NEW_TOKENS, GREEDY, tiny.stop)
     graphs = counters["stats"]["unique_graphs"]
     second = gen.generate_batch(tiny.prompts[2:4], NEW_TOKENS, GREEDY, tiny.stop)  # another conversation, same B
+    queued = gen.generate_batch(tiny.prompts, NEW_TOKENS, GREEDY, tiny.stop, batch_size=2)  # rows taking waiting prompts
     assert counters["stats"]["unique_graphs"] == graphs
-    assert [r.token_ids for r in first + second] == tiny.refs
+    assert [r.token_ids for r in first + second] == tiny.refs == [r.token_ids for r in queued]
     gen.generate_batch(tiny.prompts[:3], 2, GREEDY)  # the counter sees compiles: a new B is a new graph
     assert counters["stats"]["unique_graphs"] > graphs
 
