@@ -141,35 +141,27 @@ def bench(a) -> dict:
     asked, a.compile = a.compile, choose(a.compile, target)  # resolved once: the modes and the report share it
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-    results, outputs = {}, {}
+    entries, logit_errors = [], {}  # (row name, mode, Generator or peer runner, batch, reuse)
     for mode in a.modes.split(","):
         gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
         for batch in a.batch_sizes or [0]:
-            name = f"{mode} B={batch}" if batch else mode
             if mode == "eagle2" and batch > 1:  # each batch size its own tree (eaglet.tree_spec)
                 gen = load_generator(a.checkpoint, a.draft, mode, target=target, batch=batch, **mode_options(a, mode))[0]
-            results[name], outputs[name] = _timed_row(mode, gen, tokenizer, margs, conversations, a, sampling, batch=batch)
-            results[name]["mode"] = name
-            _partial(a, base, conversations, results)
-    if a.multi_turn and "none" in results:  # the same turns, each prefilled from scratch: what reuse saves
-        name = "none, no reuse"
-        results[name], outputs[name] = _timed_row("none", base, tokenizer, margs, conversations, a, sampling, reuse=False)
-        results[name]["mode"] = name
-        _partial(a, base, conversations, results)
+            entries.append((f"{mode} B={batch}" if batch else mode, mode, gen, batch, None))
+    if a.multi_turn and "none" in a.modes.split(","):  # the same turns, each prefilled from scratch: what reuse saves
+        entries.append(("none, no reuse", "none", base, 0, False))
     for q in a.quantize.split(",") if a.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
         qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
-        name = f"none {q}"
-        results[name], outputs[name] = _timed_row("none", Generator(qtarget, compile=choose(asked, qtarget)), tokenizer, margs, conversations, a, sampling)
-        results[name]["mode"] = name
-        results[name]["logit_error"] = logit_error(target, qtarget, tokenizer, margs, conversations)
-        _partial(a, base, conversations, results)
-        del qtarget
+        entries.append((f"none {q}", "none", Generator(qtarget, compile=choose(asked, qtarget)), 0, None))
+        logit_errors[f"none {q}"] = logit_error(target, qtarget, tokenizer, margs, conversations)
     runners = peers.peer_runners(a.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
                                  longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
-    for name, run in runners.items():
-        results[name], outputs[name] = _timed_row(name, run, tokenizer, margs, conversations, a, sampling)
-        _partial(a, base, conversations, results)
+    entries += [(name, name, run, 0, None) for name, run in runners.items()]
+    results, outputs = timed_rows(entries, tokenizer, margs, conversations, a, sampling,
+                                  partial=lambda results: _partial(a, base, conversations, results))
+    for name, error in logit_errors.items():
+        results[name]["logit_error"] = error
     for name, row in results.items():  # against vanilla at the same batch size
         base_name = "none B=" + name.split(" B=")[1] if " B=" in name else "none"
         if base_name in results:
@@ -238,27 +230,60 @@ def prefill_per_turn(prefill: list) -> dict:
             "prefilled_tokens_per_turn": [round(mean(2, t), 1) for t in turns], "prompt_tokens_per_turn": [round(mean(3, t), 1) for t in turns]}
 
 
-def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reuse=None, batch=0) -> tuple:
-    """-> (the row, every answer's token ids). gen: a Generator or a peer (see run_mode). reuse: default --multi-turn.
-    batch: the rows generate_batch answers every turn through (0: one prompt at a time, generate())."""
-    reuse = a.multi_turn if reuse is None else reuse
+def timed_rows(entries: list, tokenizer, margs, conversations, a, sampling, partial=None) -> tuple:
+    """entries: (row name, mode, Generator or peer runner (see run_mode), batch, reuse) -> ({name: row}, {name: every
+    answer's token ids}). Each entry is warmed up (and compiled) first; then the turns go in a.rounds slices and every
+    entry times each slice in turn, so a machine whose speed drifts during the run (shared cores) moves every row
+    alike. batch: rows per generate_batch (0: one prompt at a time); reuse: default --multi-turn."""
+    longest = max((e[3] for e in entries), default=0)
+    if longest > len(conversations):
+        raise UsageError(f"--batch-sizes {longest} exceeds the {len(conversations)} conversations")
+    rounds = a.rounds
+    if rounds > len(conversations) // max(longest, 1):  # a slice smaller than a batch would run (and compile) a smaller one
+        raise UsageError(f"--rounds {rounds} leaves slices of fewer than {max(longest, 1)} of the {len(conversations)} conversations")
+    totals, warmup = {}, {}
+    for name, mode, gen, batch, reuse in entries:
+        if isinstance(gen, Generator):  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
+            gen.reserve(longest_context(tokenizer, margs, conversations, a))
+        t0 = time.perf_counter()
+        run_mode(gen, tokenizer, margs, conversations[:max(1, batch)], a, sampling, progress=False, reuse=_reuse(a, reuse), batch=batch)
+        warmup[name] = time.perf_counter() - t0
+    bounds = [round(i * len(conversations) / rounds) for i in range(rounds + 1)]
+    results, peak = {}, {}
+    for r in range(rounds):
+        for name, mode, gen, batch, reuse in entries:
+            device = gen.device if isinstance(gen, Generator) else torch.device("cpu")
+            if device.type == "cuda":
+                torch.cuda.reset_peak_memory_stats()
+            tot = run_mode(gen, tokenizer, margs, conversations[bounds[r]:bounds[r + 1]], a, sampling, progress=rounds == 1, name=name,
+                           reuse=_reuse(a, reuse), batch=batch)
+            totals[name] = merge_totals(totals.get(name), tot)
+            peak[name] = max(peak.get(name, 0.0), peak_memory_mb(device))
+            results[name] = _row(name, gen, batch, _reuse(a, reuse), totals[name], warmup[name], peak[name], tokenizer, margs, conversations, a,
+                                 sampling, split=r == rounds - 1)
+            if partial:  # a long run that is stopped keeps what it measured
+                partial(results)
+    return results, {name: totals[name]["outputs"] for name in totals}
+
+
+def _reuse(a, reuse) -> bool:
+    return a.multi_turn if reuse is None else reuse
+
+
+def merge_totals(acc, tot: dict) -> dict:
+    """run_mode's totals over two slices of the turns."""
+    if acc is None:
+        return tot
+    hist = [x + y for x, y in zip(acc["hist"], tot["hist"])] if acc["hist"] else tot["hist"]
+    return {k: (acc[k] + tot[k]) if k != "hist" else hist for k in acc}
+
+
+def _row(name, gen, batch, reuse, tot, warmup, peak, tokenizer, margs, conversations, a, sampling, split) -> dict:
     ours = isinstance(gen, Generator)
-    if ours:  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
-        gen.reserve(longest_context(tokenizer, margs, conversations, a))
-    if batch > len(conversations):
-        raise UsageError(f"--batch-sizes {batch} exceeds the {len(conversations)} conversations")
-    t0 = time.perf_counter()
-    run_mode(gen, tokenizer, margs, conversations[:max(1, batch)], a, sampling, progress=False, reuse=reuse, batch=batch)  # warm-up and compile
-    warmup = time.perf_counter() - t0
-    device = gen.device if ours else torch.device("cpu")
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats()
-    tot = run_mode(gen, tokenizer, margs, conversations, a, sampling, name=mode, reuse=reuse, batch=batch)
-    row = {"mode": mode, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
-           "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2),
-           "peak_memory_mb": round(peak_memory_mb(device), 1)}
+    row = {"mode": name, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
+           "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2), "peak_memory_mb": round(peak, 1)}
     if not ours:
-        return row, tot["outputs"]
+        return row
     if batch:
         row.update(batch_size=batch)
     else:
@@ -268,9 +293,9 @@ def _timed_row(mode: str, gen, tokenizer, margs, conversations, a, sampling, reu
     row["cycle_ms"] = round(1000 * tot["decode_seconds"] / max(steps, 1), 3)
     if gen.spec:
         row.update(spec=gen.spec.__dict__, **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
-        if a.split and not batch:
+        if a.split and split and not batch:
             row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
-    return row, tot["outputs"]
+    return row
 
 
 def sweep(a) -> dict:
@@ -284,11 +309,13 @@ def sweep(a) -> dict:
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-    rows = [_timed_row("none", Generator(target, compile=a.compile), tokenizer, margs, conversations, a, sampling)[0]]
+    entries = [("none", "none", Generator(target, compile=a.compile), 0, None)]
     for m, depth, k in options:
         spec = TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=sizing.lookup_slots(depth, a.lookup_slots))
-        rows.append(_timed_row("eagle2", Generator(target, spec, head, compile=a.compile), tokenizer, margs, conversations, a, sampling)[0])
-        rows[-1]["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
+        entries.append((f"eagle2 {m} {depth} {k}", "eagle2", Generator(target, spec, head, compile=a.compile), 0, None))
+    rows = list(timed_rows(entries, tokenizer, margs, conversations, a, sampling)[0].values())
+    for row, (m, depth, k) in zip(rows[1:], options):
+        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
     sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile)
     for row in rows:
@@ -416,6 +443,8 @@ def main(argv=None) -> int:
     p.add_argument("--batch-sizes", default=None, metavar="1,2,4,8",
                    help="each mode also at these batch sizes (every first turn through B rows, a row that is done taking the next turn)")
     p.add_argument("--batch-size", type=int, default=None, metavar="B", help="--batch-sizes B")
+    p.add_argument("--rounds", type=int, default=1, metavar="R", help="interleave the rows: the turns in R slices, every row timing each "
+                   "slice in turn, so drift in the machine's speed moves every row alike (R = the turns: turn by turn)")
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
@@ -423,6 +452,8 @@ def main(argv=None) -> int:
             raise UsageError(f"prompts file {a.prompts} does not exist")
         if a.sweep < 0:
             raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
+        if a.rounds < 1:
+            raise UsageError(f"--rounds must be >= 1, got {a.rounds}")
         if a.num_prompts is not None and a.num_prompts < 1:
             raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
         for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads

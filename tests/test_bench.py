@@ -67,6 +67,29 @@ def test_bench_missing_prompts_is_one_line_error(tmp_path, capsys):
     assert capsys.readouterr().err.strip().startswith("error: prompts file")
 
 
+def test_rounds_time_every_row_slice_by_slice(setup_dirs, monkeypatch):
+    """--rounds 3 on three conversations: after the warm-ups, vanilla and eagle2 take turns conversation by
+    conversation, and each row still sums all three (fp32: eagle2's answers are vanilla's)."""
+    root, prompts = setup_dirs
+    out, calls, run_mode = root / "rounds.json", [], bench.run_mode
+
+    def spy(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None, **kw):
+        calls.append((name, [turns[0] for turns in conversations]))
+        return run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=progress, name=name, **kw)
+
+    monkeypatch.setattr(bench, "run_mode", spy)
+    argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--modes", "none,eagle2", "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--dtype", "float32"]
+    assert bench.main(argv + ["--rounds", "3", "--json-out", str(out)]) == 0
+    firsts = [f"Say something about {w}." for w in ("cats", "rain", "code")]
+    assert [c for c in calls if c[0] is not None] == [(mode, [first]) for first in firsts for mode in ("none", "eagle2")]
+    modes = json.loads(out.read_text())["modes"]
+    assert [m["turns"] for m in modes.values()] == [3, 3]
+    assert modes["eagle2"]["greedy_agreement"]["identical_share"] == 1.0
+    for bad in (["--rounds", "4"], ["--rounds", "0"], ["--rounds", "2", "--batch-sizes", "2"]):  # a slice must hold a batch
+        assert bench.main(argv + bad) == 2
+
+
 def test_sweep_measures_trees_and_records_the_fastest(setup_dirs, tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     root, prompts = setup_dirs
