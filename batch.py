@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps tensors with
 
 import dtypes
+from speculate import CHAINS
 
 
 def cut(new: list, room: int, stop_ids: set) -> list:
@@ -19,9 +20,11 @@ def cut(new: list, room: int, stop_ids: set) -> list:
     return next((new[: i + 1] for i, t in enumerate(new) if t in stop_ids), new)
 
 
-def written(target, drafter, state) -> tuple:
-    """The buffers a step writes, as three dicts {name: buffer}: the target's and the drafter's KV caches, the SpecState."""
-    caches = lambda model: {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(("k_cache", "v_cache", "k_tree", "v_tree"))}  # noqa: E731
+def written(target, drafter, state, tree: bool) -> tuple:
+    """The buffers a step writes, as three dicts {name: buffer}: the target's and the drafter's KV caches (with the
+    tree verify's K/V rows when tree: another Generator of the same target may size those differently), the SpecState."""
+    names = ("k_cache", "v_cache", "k_tree", "v_tree") if tree else ("k_cache", "v_cache")
+    caches = lambda model: {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(names)}  # noqa: E731
     return caches(target), caches(drafter), dict(state.named_buffers()) if state is not None else {}
 
 
@@ -29,13 +32,13 @@ class Rows:
     """Per-row copies of what a step writes, stacked along a new leading dim: the target's and the drafter's KV caches,
     and every SpecState buffer. self.rows: three dicts {buffer name: [B, ...]}, in the order (target, drafter, state)."""
 
-    def __init__(self, target, drafter, state, batch: int):
-        self.own, self.batch = written(target, drafter, state), batch
+    def __init__(self, target, drafter, state, batch: int, tree: bool):
+        self.own, self.batch, self.tree = written(target, drafter, state, tree), batch, tree
         self.rows = tuple({n: torch.zeros((batch, *b.shape), dtype=b.dtype, device=b.device) for n, b in own.items()} for own in self.own)
 
     def fits(self, target, drafter, state, batch: int) -> bool:
         """Whether these rows were made for B rows of these very buffers (reserve() replaces the caches it grows)."""
-        now = written(target, drafter, state)
+        now = written(target, drafter, state, self.tree)
         return batch == self.batch and all(a.keys() == b.keys() and all(a[n] is b[n] for n in a) for a, b in zip(self.own, now))
 
     def save(self, i: int):
@@ -79,7 +82,7 @@ def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set, b
     gen.target.taps = gen.taps
     drafter, device = gen.head if gen.head is not None else gen.draft_model, gen.device
     if gen.rows is None or not gen.rows.fits(gen.target, drafter, gen.state, B):
-        gen.rows = Rows(gen.target, drafter, gen.state, B)
+        gen.rows = Rows(gen.target, drafter, gen.state, B, tree=bool(gen.spec) and gen.spec.mode not in CHAINS)
     sync = dtypes.synchronizer(device)
     outs, hists = [None] * len(prompts), [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
     done = lambda out: len(out) >= max_new_tokens or out[-1] in stop_ids  # noqa: E731

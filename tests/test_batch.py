@@ -120,6 +120,21 @@ def test_compiled_batches_equal_their_prompts_alone_without_recompiling(tiny):
     assert counters["stats"]["unique_graphs"] > graphs
 
 
+def test_compiled_generators_sharing_a_target_take_turns_without_recompiling(tiny):
+    """bench.py warms every row up, then times them in turns: here eagle2 with two tree sizes and vanilla, compiled, on
+    one target. The tree verify's K/V rows are sized per tree, so a vanilla batch must not carry them in its rows."""
+    from torch._dynamo.utils import counters
+
+    gens = [generator(tiny, "eagle2", compile=True), generator(tiny, "none", compile=True),
+            Generator(tiny.target, TreeSpec("eagle2", 2, 4, 4), head=tiny.heads["eagle"], compile=True)]
+    for gen in gens:
+        gen.generate_batch(tiny.prompts[:2], 8, GREEDY)
+    graphs = counters["stats"]["unique_graphs"]
+    for gen in gens[::-1]:  # vanilla now follows the other tree size than at its warm-up
+        assert [r.token_ids for r in gen.generate_batch(tiny.prompts[:2], NEW_TOKENS, GREEDY, tiny.stop)] == tiny.refs[:2]
+    assert counters["stats"]["unique_graphs"] == graphs
+
+
 # ---- sampling: each row of a B = 2 batch draws its first three tokens from the target's distribution ----
 
 SAMPLES = 1000
