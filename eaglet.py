@@ -214,8 +214,7 @@ class Generator:
         self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
         self.plain_cycle = lookup_step
         # generate_batch's steps: every row's cycle (lookup: always with drafts) or decode step in one vmapped call
-        self.rows = None
-        self.batch_cycle = batch.batched(self.cycle) if spec else None
+        self.rows, self.batch_cycle = None, batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
         if compile:  # True (packed), "max" (compiling.prepare) or "auto" (compiling.choose)
             frozen = prepare(choose(compile, target, log_stderr), self.device, target, head, draft_model)
@@ -227,6 +226,7 @@ class Generator:
                 self.plain_cycle = compiled(lookup_step, self.device, frozen, mode=mode) if spec.mode == "lookup" else lookup_step
             self.batch_step = compiled(self.batch_step, self.device, frozen, mode=mode)
 
+    @torch.inference_mode(False)  # buffers made alike in and out of generate: an inference tensor fails compiled guards
     def reserve(self, max_len: int) -> bool:
         """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit. -> True when the
         target's caches were reallocated (and hold nothing any more)."""

@@ -128,6 +128,7 @@ def test_compiled_generators_sharing_a_target_take_turns_without_recompiling(tin
     gens = [generator(tiny, "eagle2", compile=True), generator(tiny, "none", compile=True),
             Generator(tiny.target, TreeSpec("eagle2", 2, 4, 4), head=tiny.heads["eagle"], compile=True)]
     for gen in gens:
+        gen.reserve(64)  # as bench.py does, outside inference mode: the buffers a later reserve makes inside must match
         gen.generate_batch(tiny.prompts[:2], 8, GREEDY)
     graphs = counters["stats"]["unique_graphs"]
     for gen in gens[::-1]:  # vanilla now follows the other tree size than at its warm-up
