@@ -116,7 +116,7 @@ def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set, b
         live_rows = torch.tensor(live, device=device)
         if gen.spec:
             chunks = gen.batch_cycle(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
-        else:  # a finished row repeats its last position: its writes land past its end
+        else:  # a finished row (no prompt left to take) steps at prompt 0's position in its own cache, read by nobody
             last = [answering[b] if live[b] else 0 for b in range(B)]
             pos = torch.tensor([[len(prompts[i]) + len(outs[i]) - 1] for i in last], device=device)
             token = torch.tensor([outs[i][-1:] for i in last], device=device)

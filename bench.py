@@ -141,23 +141,23 @@ def bench(a) -> dict:
     asked, a.compile = a.compile, choose(a.compile, target)  # resolved once: the modes and the report share it
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-    entries, logit_errors = [], {}  # (row name, mode, Generator or peer runner, batch, reuse)
+    entries, logit_errors = [], {}  # (row name, Generator or peer runner, batch, reuse)
     for mode in a.modes.split(","):
         gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
         for batch in a.batch_sizes or [0]:
             if mode == "eagle2" and batch > 1:  # each batch size its own tree (eaglet.tree_spec)
                 gen = load_generator(a.checkpoint, a.draft, mode, target=target, batch=batch, **mode_options(a, mode))[0]
-            entries.append((f"{mode} B={batch}" if batch else mode, mode, gen, batch, None))
+            entries.append((f"{mode} B={batch}" if batch else mode, gen, batch, None))
     if a.multi_turn and "none" in a.modes.split(","):  # the same turns, each prefilled from scratch: what reuse saves
-        entries.append(("none, no reuse", "none", base, 0, False))
+        entries.append(("none, no reuse", base, 0, False))
     for q in a.quantize.split(",") if a.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
         qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
-        entries.append((f"none {q}", "none", Generator(qtarget, compile=choose(asked, qtarget)), 0, None))
+        entries.append((f"none {q}", Generator(qtarget, compile=choose(asked, qtarget)), 0, None))
         logit_errors[f"none {q}"] = logit_error(target, qtarget, tokenizer, margs, conversations)
     runners = peers.peer_runners(a.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
                                  longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
-    entries += [(name, name, run, 0, None) for name, run in runners.items()]
+    entries += [(name, run, 0, None) for name, run in runners.items()]
     results, outputs = timed_rows(entries, tokenizer, margs, conversations, a, sampling,
                                   partial=lambda results: _partial(a, base, conversations, results))
     for name, error in logit_errors.items():
@@ -231,18 +231,18 @@ def prefill_per_turn(prefill: list) -> dict:
 
 
 def timed_rows(entries: list, tokenizer, margs, conversations, a, sampling, partial=None) -> tuple:
-    """entries: (row name, mode, Generator or peer runner (see run_mode), batch, reuse) -> ({name: row}, {name: every
+    """entries: (row name, Generator or peer runner (see run_mode), batch, reuse) -> ({name: row}, {name: every
     answer's token ids}). Each entry is warmed up (and compiled) first; then the turns go in a.rounds slices and every
     entry times each slice in turn, so a machine whose speed drifts during the run (shared cores) moves every row
     alike. batch: rows per generate_batch (0: one prompt at a time); reuse: default --multi-turn."""
-    longest = max((e[3] for e in entries), default=0)
+    longest = max((e[2] for e in entries), default=0)
     if longest > len(conversations):
         raise UsageError(f"--batch-sizes {longest} exceeds the {len(conversations)} conversations")
     rounds = a.rounds
     if rounds > len(conversations) // max(longest, 1):  # a slice smaller than a batch would run (and compile) a smaller one
         raise UsageError(f"--rounds {rounds} leaves slices of fewer than {max(longest, 1)} of the {len(conversations)} conversations")
     totals, warmup = {}, {}
-    for name, mode, gen, batch, reuse in entries:
+    for name, gen, batch, reuse in entries:
         if isinstance(gen, Generator):  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
             gen.reserve(longest_context(tokenizer, margs, conversations, a))
         t0 = time.perf_counter()
@@ -251,7 +251,7 @@ def timed_rows(entries: list, tokenizer, margs, conversations, a, sampling, part
     bounds = [round(i * len(conversations) / rounds) for i in range(rounds + 1)]
     results, peak = {}, {}
     for r in range(rounds):
-        for name, mode, gen, batch, reuse in entries:
+        for name, gen, batch, reuse in entries:
             device = gen.device if isinstance(gen, Generator) else torch.device("cpu")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
@@ -309,10 +309,10 @@ def sweep(a) -> dict:
     options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-    entries = [("none", "none", Generator(target, compile=a.compile), 0, None)]
+    entries = [("none", Generator(target, compile=a.compile), 0, None)]
     for m, depth, k in options:
         spec = TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=sizing.lookup_slots(depth, a.lookup_slots))
-        entries.append((f"eagle2 {m} {depth} {k}", "eagle2", Generator(target, spec, head, compile=a.compile), 0, None))
+        entries.append((f"eagle2 {m} {depth} {k}", Generator(target, spec, head, compile=a.compile), 0, None))
     rows = list(timed_rows(entries, tokenizer, margs, conversations, a, sampling)[0].values())
     for row, (m, depth, k) in zip(rows[1:], options):
         row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
