@@ -322,6 +322,30 @@ class RowsLinear(PackedLinear):
         return y if self.bias is None else y + self.bias
 
 
+class RowsLinearInt8(RowsLinear):
+    """RowsLinear reading int8 codes of its weight (quantize_int8's, one scale per output), half the bytes: for a draft
+    head's LM head (16k rows or more), whose logits only rank drafts, the verify deciding what is kept. A cycle reads
+    it once cold from memory, after the verify streamed the target: 1.0 -> 0.55 ms on a 2-core AMD EPYC (Zen 4)."""
+
+    def pack(self):
+        codes, scales = quantize_int8(self.weight.detach()) if rowsmm.fits(self) else (None, None)
+        self.packed = None if codes is None else rowsmm.pack_int8(codes)
+        self.register_buffer("scales", scales, persistent=False)
+
+    def forward(self, x: Tensor) -> Tensor:
+        if self.packed is None or x.dtype != self.weight.dtype:
+            return nn.Linear.forward(self, x)
+        y = torch.ops.eaglet.rows_mm_int8(x, self.packed, self.scales)
+        return y if self.bias is None else y + self.bias
+
+
+def draft_logits_in_int8(head: nn.Module) -> nn.Module:
+    """A draft head's packed bf16 LM head (pack_linears) as a RowsLinearInt8; else unchanged."""
+    if type(getattr(head, "lm_head", None)) is RowsLinear and head.lm_head.packed is not None:
+        head.lm_head = RowsLinearInt8(head.lm_head)
+    return head
+
+
 def logits_in_fp32(model: nn.Module) -> nn.Module:
     """A bf16 model's LM head as a RowsLinear writing fp32 logits, where rowsmm's kernel runs (else unchanged). Rounded
     to bf16, logits near 25 lie 0.125 apart and near-ties break by token id: SmolLM2 answered "What is the capital of

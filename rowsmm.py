@@ -1,5 +1,6 @@
 # Two hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16, built on first use (g++ through
-# torch.utils.cpp_extension): a linear layer (rows_mm) and attention for few queries (attend).
+# torch.utils.cpp_extension): a linear layer (rows_mm; rows_mm_int8 over int8 codes, widened to bf16 in registers) and
+# attention for few queries (attend).
 #
 # A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without
 # AMX, Inductor's GEMM templates widen bf16 to fp32 (CppMicroGemmFP32Vec) and turn compute-bound past 3 rows, and
@@ -33,69 +34,80 @@ SOURCE = r"""
 static inline void store16(at::BFloat16* y, __m512 a) { _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(a)); }
 static inline void store16(float* y, __m512 a) { _mm512_storeu_ps(y, a); }
 
+// A weight vector: 16 outputs' next 2 inputs as bf16 pairs. int32_t: stored so (64 bytes); int16_t: as int8 pairs (32
+// bytes), widened here (exact: |code| <= 127 fits bf16's 8 bits) and scaled per output after the sums.
+static inline __m512bh weights(const int32_t* w) { return (__m512bh)_mm512_loadu_si512(w); }
+static inline __m512bh weights(const int16_t* w) {
+  __m512 lo = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w)));
+  __m512 hi = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128((const __m128i*)w + 1)));
+  return _mm512_cvtne2ps_pbh(hi, lo);
+}
+
 // R rows (<= 16) times NB blocks of 16 outputs: NB * R accumulators in registers, NB weight loads per input pair.
-template <int R, int NB, typename Y>
-static inline void tile(const int32_t* __restrict w, int64_t block, const int32_t* __restrict x, int64_t xs, int64_t pairs,
-                        Y* __restrict y, int64_t ys) {
+// scale: per output (int8 weights), or null.
+template <int R, int NB, typename W, typename Y>
+static inline void tile(const W* __restrict w, int64_t block, const int32_t* __restrict x, int64_t xs, int64_t pairs,
+                        Y* __restrict y, int64_t ys, const float* __restrict scale) {
   __m512 acc[NB][R];
 #pragma GCC unroll 16
   for (int b = 0; b < NB; b++)
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) acc[b][r] = _mm512_setzero_ps();
   for (int64_t p = 0; p < pairs; p++) {
-    __m512i wv[NB];
+    __m512bh wv[NB];
 #pragma GCC unroll 16
     for (int b = 0; b < NB; b++) {
       _mm_prefetch((const char*)(w + b * block + p * 16 + 256), _MM_HINT_T0);  // 1 KB ahead: 16 rows at 1.4x the time, not 2x
-      wv[b] = _mm512_loadu_si512(w + b * block + p * 16);
+      wv[b] = weights(w + b * block + p * 16);
     }
 #pragma GCC unroll 16
     for (int r = 0; r < R; r++) {
       __m512i xv = _mm512_set1_epi32(x[r * xs + p]);  // row r's inputs 2p, 2p+1 in every lane
 #pragma GCC unroll 16
-      for (int b = 0; b < NB; b++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], (__m512bh)xv, (__m512bh)wv[b]);
+      for (int b = 0; b < NB; b++) acc[b][r] = _mm512_dpbf16_ps(acc[b][r], (__m512bh)xv, wv[b]);
     }
   }
 #pragma GCC unroll 16
-  for (int b = 0; b < NB; b++)
+  for (int b = 0; b < NB; b++) {
+    __m512 s = scale ? _mm512_loadu_ps(scale + b * 16) : _mm512_set1_ps(1.0f);
 #pragma GCC unroll 16
-    for (int r = 0; r < R; r++) store16(y + r * ys + b * 16, acc[b][r]);
+    for (int r = 0; r < R; r++) store16(y + r * ys + b * 16, scale ? _mm512_mul_ps(acc[b][r], s) : acc[b][r]);
+  }
 }
 
 // Blocks [b0, b1) NB at a time, the rest in halves: NB * R independent accumulators hide vdpbf16ps' latency when rows
 // are few.
-template <int R, int NB, typename Y>
-static void span(const int32_t* w, int64_t b0, int64_t b1, int64_t pairs, const int32_t* x, Y* y, int64_t ys) {
+template <int R, int NB, typename W, typename Y>
+static void span(const W* w, int64_t b0, int64_t b1, int64_t pairs, const int32_t* x, Y* y, int64_t ys, const float* scale) {
   int64_t b = b0;
-  for (; b + NB <= b1; b += NB) tile<R, NB>(w + b * pairs * 16, pairs * 16, x, pairs, pairs, y + b * 16, ys);
+  for (; b + NB <= b1; b += NB)
+    tile<R, NB>(w + b * pairs * 16, pairs * 16, x, pairs, pairs, y + b * 16, ys, scale ? scale + b * 16 : nullptr);
   if constexpr (NB > 1)
-    if (b < b1) span<R, NB / 2>(w, b, b1, pairs, x, y, ys);
+    if (b < b1) span<R, NB / 2>(w, b, b1, pairs, x, y, ys, scale);
 }
 
-template <int R, typename Y>
-static void rows(const int32_t* w, int64_t blocks, int64_t pairs, const int32_t* x, Y* y, int64_t ys) {
+template <int R, typename W, typename Y>
+static void rows(const W* w, int64_t blocks, int64_t pairs, const int32_t* x, Y* y, int64_t ys, const float* scale) {
   constexpr int NB = R <= 2 ? 8 : R <= 4 ? 4 : R <= 12 ? 2 : 1;
-  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { span<R, NB>(w, b0, b1, pairs, x, y, ys); });
+  at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { span<R, NB>(w, b0, b1, pairs, x, y, ys, scale); });
 }
 
-// Y: the output's type, bf16 or (the LM head's logits, not rounded to bf16's 8 bits) fp32.
-template <typename Y>
-at::Tensor rows_mm_to(const at::Tensor& input, const at::Tensor& w, at::ScalarType out) {
-  TORCH_CHECK(input.scalar_type() == at::kBFloat16 && w.scalar_type() == at::kInt && w.dim() == 3 && w.size(2) == 16
-              && input.size(-1) == 2 * w.size(1) && w.is_contiguous(), "eaglet::rows_mm: bf16 rows, rowsmm.pack's weight");
+// Y: the output's type, bf16 or (the LM head's logits, not rounded to bf16's 8 bits) fp32; W: the weight's (above).
+template <typename W, typename Y>
+at::Tensor rows_mm_to(const at::Tensor& input, const at::Tensor& w, at::ScalarType out, const float* scale) {
   auto x = input.contiguous();
   int64_t K = x.size(-1), M = K ? x.numel() / K : 0, blocks = w.size(0), pairs = w.size(1), N = blocks * 16;
   auto sizes = x.sizes().vec();
   sizes.back() = N;
   auto y = at::empty(sizes, x.options().dtype(out));
   auto xp = (const int32_t*)x.data_ptr();
-  auto wp = w.data_ptr<int32_t>();
+  auto wp = (const W*)w.data_ptr();
   auto yp = y.data_ptr<Y>();
   for (int64_t m = 0; m < M; m += 16) {  // more rows: 16 at a time, the weight read again for each
     auto xm = xp + m * pairs;
     auto ym = yp + m * N;
     switch (std::min<int64_t>(16, M - m)) {
-#define ROWS(n) case n: rows<n, Y>(wp, blocks, pairs, xm, ym, N); break;
+#define ROWS(n) case n: rows<n, W, Y>(wp, blocks, pairs, xm, ym, N, scale); break;
       ROWS(1) ROWS(2) ROWS(3) ROWS(4) ROWS(5) ROWS(6) ROWS(7) ROWS(8)
       ROWS(9) ROWS(10) ROWS(11) ROWS(12) ROWS(13) ROWS(14) ROWS(15) ROWS(16)
 #undef ROWS
@@ -104,8 +116,25 @@ at::Tensor rows_mm_to(const at::Tensor& input, const at::Tensor& w, at::ScalarTy
   return y;
 }
 
-at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w) { return rows_mm_to<at::BFloat16>(x, w, at::kBFloat16); }
-at::Tensor rows_mm_f32(const at::Tensor& x, const at::Tensor& w) { return rows_mm_to<float>(x, w, at::kFloat); }
+static void check_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType wtype, const char* what) {
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && w.scalar_type() == wtype && w.dim() == 3 && w.size(2) == 16
+              && x.size(-1) == 2 * w.size(1) && w.is_contiguous(), what);
+}
+
+at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, w, at::kInt, "eaglet::rows_mm: bf16 rows, rowsmm.pack's weight");
+  return rows_mm_to<int32_t, at::BFloat16>(x, w, at::kBFloat16, nullptr);
+}
+at::Tensor rows_mm_f32(const at::Tensor& x, const at::Tensor& w) {
+  check_rows(x, w, at::kInt, "eaglet::rows_mm_f32: bf16 rows, rowsmm.pack's weight");
+  return rows_mm_to<int32_t, float>(x, w, at::kFloat, nullptr);
+}
+at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
+  check_rows(x, w, at::kShort, "eaglet::rows_mm_int8: bf16 rows, rowsmm.pack_int8's weight");
+  TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0) * 16,
+              "eaglet::rows_mm_int8: fp32 scales, one per output");
+  return rows_mm_to<int16_t, at::BFloat16>(x, w, at::kBFloat16, scales.data_ptr<float>());
+}
 
 // e^x for x <= 0 (softmax after its max is taken; -inf gives 0): Cephes' expf, a degree-6 polynomial after 2^n is split off.
 static inline __m512 exp_ps(__m512 x) {
@@ -321,11 +350,13 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
 TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm(Tensor x, Tensor w) -> Tensor");
   m.def("rows_mm_f32(Tensor x, Tensor w) -> Tensor");
+  m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rows_mm", &rows_mm);
   m.impl("rows_mm_f32", &rows_mm_f32);
+  m.impl("rows_mm_int8", &rows_mm_int8);
   m.impl("attend", &attend);
 }
 """
@@ -358,8 +389,8 @@ def available() -> bool:
     except Exception as e:  # no compiler, no ninja: a slower path, not a failure
         print(f"eaglet: the bf16 kernels did not build ({' '.join(str(e).split())[:200]}); oneDNN serves", file=sys.stderr)
         return False
-    for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32)):
-        torch.library.register_fake(f"eaglet::{op}")(lambda x, w, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
+    for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32), ("rows_mm_int8", torch.bfloat16)):
+        torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
         torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
     torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
@@ -368,11 +399,11 @@ def available() -> bool:
     return True
 
 
-def batch_rule(op, info, in_dims, x, w):
+def batch_rule(op, info, in_dims, x, *weight):
     """Under batch.py's vmap: leading dims are rows to the kernel, so the batch dim moves to the front, one call."""
-    if in_dims[1] is not None:
+    if any(d is not None for d in in_dims[1:]):
         raise NotImplementedError("eaglet::rows_mm batched over its weights")
-    return op(x.movedim(in_dims[0], 0), w), 0
+    return op(x.movedim(in_dims[0], 0), *weight), 0
 
 
 def attend_batch_rule(info, in_dims, *args):
@@ -395,6 +426,13 @@ def pack(weight: Tensor) -> Tensor:
     out_features, in_features = weight.shape
     return weight.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
         .view(torch.int32).view(out_features // LANES, in_features // 2, LANES)
+
+
+def pack_int8(codes: Tensor) -> Tensor:
+    """int8 codes [out, in] -> int16 [out/16, in/2, 16]: pack's layout, each pair of codes in 2 bytes instead of 4."""
+    out_features, in_features = codes.shape
+    return codes.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
+        .view(torch.int16).view(out_features // LANES, in_features // 2, LANES)
 
 
 def fits(linear: nn.Linear) -> bool:

@@ -1,6 +1,7 @@
 # The bf16 rows kernel (rowsmm.py): what it computes, that a row's values do not depend on the rows beside it, and
 # the layer around it (packing, casts, loads, copies, vmap, a compiled graph). Runs where the CPU has AVX512-BF16.
 import copy
+import functools
 
 import pytest
 import torch
@@ -35,20 +36,47 @@ def test_rows_mm_is_the_product(out_features, in_features):
         assert ((y.double() - ref).abs() <= step).all(), (rows, (y.double() - ref).abs().max())
 
 
-@pytest.mark.parametrize("op", ["rows_mm", "rows_mm_f32"])
+def int8_op(w):
+    """rows_mm_int8 over quant.quantize_int8's codes of w -> (the product as a function of x, the weight it stands for)."""
+    codes, scales = quant.quantize_int8(w)
+    packed = rowsmm.pack_int8(codes)
+    return (lambda x: torch.ops.eaglet.rows_mm_int8(x, packed, scales)), codes.double() * scales.double()[:, None]
+
+
+@pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576)])
+def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features):
+    """rows_mm_int8 multiplies by codes * scale (one scale per output): the double-precision product rounded once to
+    bf16, give or take one bf16 step, for 1-17 and 40 rows. The bf16 layout's words, a scale of the wrong output or none
+    miss by far more."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    w = torch.randn(out_features, in_features).bfloat16() * torch.rand(out_features, 1).bfloat16()  # scales differ
+    op, dequantised = int8_op(w)
+    for rows in [*range(1, 18), 40]:
+        x = torch.randn(2, rows, in_features).bfloat16()
+        y = op(x)
+        ref = x.double() @ dequantised.t()
+        assert y.shape == ref.shape and y.dtype == torch.bfloat16
+        step = ref.abs().clamp(min=in_features ** 0.5 * 1e-3) * 2 ** -7
+        assert ((y.double() - ref).abs() <= step).all(), (rows, (y.double() - ref).abs().max())
+
+
+@pytest.mark.parametrize("op", ["rows_mm", "rows_mm_f32", "rows_mm_int8"])
 def test_a_row_does_not_depend_on_its_neighbours(op):
     """Row r of an M-row product equals the one-row product of row r bit for bit, for every M up to 16: so a tree verify
     scores a node exactly as the one-row decode step would (the grouping of output blocks changes with M, the order of
-    each output's sum must not). The same for the fp32 logits of rows_mm_f32."""
+    each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of rows_mm_int8."""
     assert rowsmm.available()
-    op = getattr(torch.ops.eaglet, op)
     torch.manual_seed(1)
     w = torch.randn(3072, 576).bfloat16()
-    packed = rowsmm.pack(w)
+    if op == "rows_mm_int8":
+        op = int8_op(w)[0]
+    else:
+        op = functools.partial(getattr(torch.ops.eaglet, op), w=rowsmm.pack(w))
     x = torch.randn(16, 576).bfloat16()
-    alone = torch.cat([op(x[i : i + 1], packed) for i in range(16)])
+    alone = torch.cat([op(x[i : i + 1]) for i in range(16)])
     for rows in range(2, 17):
-        assert torch.equal(op(x[:rows], packed), alone[:rows]), rows
+        assert torch.equal(op(x[:rows]), alone[:rows]), rows
 
 
 def test_rows_mm_f32_writes_the_sums_unrounded():
@@ -199,3 +227,41 @@ def test_attend_few_takes_the_kernel_when_compiled():
             batched, (code, *_) = run_and_get_code(torch.compile(rows, fullgraph=True), q, k, v, mask)
     assert code.count("eaglet.attend.default(") == 1, code
     torch.testing.assert_close(batched.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.parametrize("kind", ["eagle", "eagle3"])
+def test_a_packed_draft_head_ranks_drafts_with_int8_logits_and_stays_lossless(tiny_args, random_model, random_head,
+                                                                               random_eagle3_head, single_thread, kind):
+    """Compiled (packed), a draft head's LM head (an EAGLE-1/2 head's draft-vocabulary rows of the target's LM head, an
+    EAGLE-3 head's own) reads int8 codes: its logits are the codes' product, one compiled call of rows_mm_int8 each, and
+    the compiled bf16 eagle2 answers equal compiled bf16 vanilla's (the verify decides, whatever the drafts)."""
+    from draft import EagleHead
+    from eaglet import Generator
+    from speculate import TreeSpec
+
+    assert rowsmm.available()
+    args = tiny_args(dim=128)  # head_dim 32: attention takes eaglet::attend too
+    target = random_model(args, seed=0).bfloat16()
+    if kind == "eagle3":
+        head = random_eagle3_head(args, seed=1)
+    else:
+        head = random_head(args, seed=1)
+        head.draft_vocab = torch.randperm(64, generator=torch.Generator().manual_seed(1))[:48]
+    head = head.bfloat16()
+    vanilla = Generator(target, compile=True)
+    gen = Generator(target, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=head, compile=True)
+    lm_head = head.lm_head
+    assert type(lm_head) is quant.RowsLinearInt8 and lm_head.packed.dtype == torch.int16
+    h = torch.randn(3, 128).bfloat16()
+    codes, scales = quant.quantize_int8(lm_head.weight)
+    with torch.no_grad():
+        torch.testing.assert_close(lm_head(h).double(), h.double() @ (codes.double() * scales.double()[:, None]).t(), rtol=1e-2, atol=2e-2)
+    g, accepted = torch.Generator().manual_seed(0), 0
+    prompts = [torch.randint(0, 64, (n,), generator=g).tolist() for n in (7, 13, 29)]
+    alone = [vanilla.generate(prompt, 24).token_ids for prompt in prompts]
+    for prompt, expect in zip(prompts, alone):
+        out = gen.generate(prompt, 24)
+        assert out.token_ids == expect
+        accepted += sum(out.accept_hist[1:])
+    assert accepted  # some drafts were kept: the int8 ranks took part
+    assert [r.token_ids for r in gen.generate_batch(prompts, 24)] == alone  # vmapped: the op's batch rule
