@@ -158,7 +158,7 @@ def prepare(compile, device, *models):
     """Readies the models' weights for compile (True, or "max") on device. -> None (the default settings: weights
     prepacked for oneDNN, or for rowsmm's kernel in bf16 where it runs), or under --compile max on a CPU the Inductor
     options of graphs over these models' frozen weights (CPU_INDUCTOR_MAX, GEMM templates), cached on disk like the rest.
-    Packed, a draft head's LM head reads int8 codes (quant.draft_logits_in_int8): its logits only rank drafts."""
+    Packed, a draft head reads int8 codes of its weights (quant.draft_head_in_int8): its outputs only rank drafts."""
     if torch.device(device).type == "cpu" and any(p.dtype == torch.bfloat16 for m in filter(None, models) for p in m.parameters()):
         rowsmm.available()  # builds the bf16 kernels: attention's serves the frozen graphs too
     if compile == "max" and torch.device(device).type == "cpu":
@@ -166,7 +166,7 @@ def prepare(compile, device, *models):
         return {"post_grad_custom_pre_pass": FrozenWeights(*models)}
     quant.pack_linears(*models)
     for head in (m for m in models if isinstance(m, DraftHead)):
-        quant.draft_logits_in_int8(head)
+        quant.draft_head_in_int8(head)
     return None
 
 

@@ -324,8 +324,9 @@ class RowsLinear(PackedLinear):
 
 class RowsLinearInt8(RowsLinear):
     """RowsLinear reading int8 codes of its weight (quantize_int8's, one scale per output), half the bytes: for a draft
-    head's LM head (16k rows or more), whose logits only rank drafts, the verify deciding what is kept. A cycle reads
-    it once cold from memory, after the verify streamed the target: 1.0 -> 0.55 ms on a 2-core AMD EPYC (Zen 4)."""
+    head, whose outputs only rank drafts, the verify deciding what is kept. A cycle reads the head first just after the
+    verify streamed the whole target through the caches: its 16384-row LM head cold 1.0 -> 0.55 ms on a 2-core AMD
+    EPYC (Zen 4), and the head's layer half its bytes too, at the same tau (BENCHMARKS.md)."""
 
     def pack(self):
         codes, scales = quantize_int8(self.weight.detach()) if rowsmm.fits(self) else (None, None)
@@ -339,10 +340,9 @@ class RowsLinearInt8(RowsLinear):
         return y if self.bias is None else y + self.bias
 
 
-def draft_logits_in_int8(head: nn.Module) -> nn.Module:
-    """A draft head's packed bf16 LM head (pack_linears) as a RowsLinearInt8; else unchanged."""
-    if type(getattr(head, "lm_head", None)) is RowsLinear and head.lm_head.packed is not None:
-        head.lm_head = RowsLinearInt8(head.lm_head)
+def draft_head_in_int8(head: nn.Module) -> nn.Module:
+    """Every packed bf16 linear of a draft head (pack_linears' RowsLinear) as a RowsLinearInt8; others unchanged."""
+    replace_linears(head, lambda linear: RowsLinearInt8(linear) if type(linear) is RowsLinear and linear.packed is not None else linear)
     return head
 
 

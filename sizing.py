@@ -177,7 +177,7 @@ def device_name(device) -> str:
 # Part of the cache key: bumped when the steps' code changes what they cost (2: tree verifies on a CPU read the
 # cache with attend_few's matmuls instead of SDPA, half the attention time; 3: sizes up to FUSED_QUERIES are timed
 # with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
-# of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head's LM head reads int8 codes), so older
+# of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights), so older
 # measurements are not reused.
 COSTS_VERSION = 5
 

@@ -230,12 +230,11 @@ def test_attend_few_takes_the_kernel_when_compiled():
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
-def test_a_packed_draft_head_ranks_drafts_with_int8_logits_and_stays_lossless(tiny_args, random_model, random_head,
-                                                                               random_eagle3_head, single_thread, kind):
-    """Compiled (packed), a draft head's LM head (an EAGLE-1/2 head's draft-vocabulary rows of the target's LM head, an
-    EAGLE-3 head's own) reads int8 codes: its logits are the codes' product, one compiled call of rows_mm_int8 each, and
-    the compiled bf16 eagle2 answers equal compiled bf16 vanilla's (the verify decides, whatever the drafts)."""
-    from draft import EagleHead
+def test_a_packed_draft_head_reads_int8_codes_and_stays_lossless(tiny_args, random_model, random_head, random_eagle3_head,
+                                                                  single_thread, kind):
+    """Compiled (packed), every linear of a draft head (its LM head included: an EAGLE-1/2 head's draft-vocabulary rows of
+    the target's, an EAGLE-3 head's own) reads int8 codes: its outputs are the codes' product, and the compiled bf16
+    eagle2 answers equal compiled bf16 vanilla's (the verify decides, whatever the drafts), alone and batched."""
     from eaglet import Generator
     from speculate import TreeSpec
 
@@ -250,8 +249,10 @@ def test_a_packed_draft_head_ranks_drafts_with_int8_logits_and_stays_lossless(ti
     head = head.bfloat16()
     vanilla = Generator(target, compile=True)
     gen = Generator(target, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=head, compile=True)
+    linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
+    assert len(linears) >= 6 and all(type(m) is quant.RowsLinearInt8 and m.packed.dtype == torch.int16 for m in linears)
+    assert type(target.output) is quant.RowsLinear  # the target's own weights stay bf16
     lm_head = head.lm_head
-    assert type(lm_head) is quant.RowsLinearInt8 and lm_head.packed.dtype == torch.int16
     h = torch.randn(3, 128).bfloat16()
     codes, scales = quant.quantize_int8(lm_head.weight)
     with torch.no_grad():
