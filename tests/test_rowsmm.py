@@ -1,5 +1,6 @@
-# The bf16 rows kernel (rowsmm.py): what it computes, that a row's values do not depend on the rows beside it, and
-# the layer around it (packing, casts, loads, copies, vmap, a compiled graph). Runs where the CPU has AVX512-BF16.
+# The bf16 rows kernel (rowsmm.py, over bf16 weights or int8 codes): what it computes, that a row's values do not depend
+# on the rows beside it, and the layer around it (packing, casts, loads, copies, vmap, a compiled graph, a draft head's
+# int8 linears). Runs where the CPU has AVX512-BF16.
 import copy
 import functools
 
