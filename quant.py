@@ -377,7 +377,9 @@ def pack_linear(linear: nn.Linear) -> nn.Linear:
 
 def packed_kernel(dtype) -> str:
     """What runs a packed CPU linear of this dtype (part of the keys of measured costs: the kernels cost differently)."""
-    return "rows kernel" if dtype == torch.bfloat16 and rowsmm.available() else "oneDNN"
+    if dtype != torch.bfloat16 or not rowsmm.available():
+        return "oneDNN"
+    return f"rows kernel, AMX from {rowsmm.AMX_MIN_ROWS} rows" if rowsmm.AMX else "rows kernel"
 
 
 @functools.cache

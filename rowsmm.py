@@ -12,6 +12,13 @@
 # the rows sharing a KV head share each load. Inductor's fused loops took 2.3x as long as its first version. In both,
 # a row's sums run in the same order whatever rows share its pass (rows_mm: a verify's linears give the one-row step's
 # values).
+#
+# With AMX (amx_tile, amx_bf16) the rows_mm ops run on tiles instead: the packed layout is the B tile's (int8 codes are
+# widened into one first), and one tile multiply sums 16 input pairs for up to 16 rows, so a verify's rows stop costing
+# compute. On a 2-core Intel Xeon with AMX, vdpbf16ps took 2.4x one row's time at 9 rows and 4.4x at 16 (the LM head),
+# the tiles 1.0x and 1.1x. One and two rows stay on vdpbf16ps (AMX_MIN_ROWS): alone the tiles ran one row as fast, but
+# a compiled one-row decode step, its linears between vector code, 13% slower. So there a row's sums are the same in
+# every pass of 3 rows or more, and in every pass of 1 or 2, but the two paths add them in different orders.
 import functools
 import os
 import platform
@@ -24,6 +31,8 @@ from torch import Tensor
 
 LANES = 16  # outputs a vector holds (fp32 accumulators)
 ATTENDS = False  # eaglet::attend is registered (available() built the kernels)
+AMX = False  # the rows_mm ops run on AMX tiles (available() found them and Linux granted them)
+AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step ran 13% slower on tiles (BENCHMARKS.md)
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -92,6 +101,102 @@ static void rows(const W* w, int64_t blocks, int64_t pairs, const int32_t* x, Y*
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) { span<R, NB>(w, b0, b1, pairs, x, y, ys, scale); });
 }
 
+#ifdef EAGLET_AMX
+// AMX (a CPU with amx_bf16): rowsmm.pack's layout is the B tile's own, 16 input pairs by 16 outputs' pairs in 1 KB,
+// so a tile loads straight from the packed weight. One tile multiply sums 16 pairs for up to 16 rows where vdpbf16ps
+// sums one pair for one row: many rows stop costing compute. A row's sums run in the same order whatever rows share
+// the pass (from amx_min_rows rows: fewer take vdpbf16ps above).
+#include <sys/syscall.h>
+#include <unistd.h>
+static bool amx_on = false;
+static int64_t amx_min_rows = 1;
+struct TileConfig { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; };
+static void amx_config(int R) {  // tiles 0-3: C (R rows of 16 fp32), 4: A (R rows of 32 bf16), 5-7: B
+  TileConfig c = {};
+  c.palette = 1;
+  for (int t = 0; t < 8; t++) c.rows[t] = t < 5 ? R : 16, c.colsb[t] = 64;
+  _tile_loadconfig(&c);
+}
+template <typename Y>
+static inline void amx_rows_out(const float* buf, int R, Y* y, int64_t ys, const float* scale) {
+  __m512 s = scale ? _mm512_loadu_ps(scale) : _mm512_set1_ps(1.0f);
+  for (int r = 0; r < R; r++) store16(y + r * ys, scale ? _mm512_mul_ps(_mm512_loadu_ps(buf + r * 16), s) : _mm512_loadu_ps(buf + r * 16));
+}
+// GCC's tile intrinsics take the tile's number as a literal, and are asm that tells the compiler of no memory it
+// touches: the barrier keeps the stores into wide before the tile load, the reads of buf after the tile store.
+#define MEMORY_BARRIER asm volatile("" ::: "memory");
+#define AMX_STORE(t) _tile_stored(t, buf, 64); MEMORY_BARRIER amx_rows_out(buf, R, y + t * 16, ys, scale ? scale + t * 16 : nullptr);
+// Block b's B tile for input pairs [p, p + 16): the packed weight itself (bf16 pairs), or int8 codes widened to bf16
+// pairs in wide (exact, as weights() does) and loaded from there.
+#define AMX_LOAD_B(t, b) \
+  if constexpr (std::is_same_v<W, int32_t>) { _tile_loadd(t, w + (b) * block + p * 16, 64); } \
+  else { for (int l = 0; l < 16; l++) _mm512_store_si512(wide + l * 16, (__m512i)weights(w + (b) * block + (p + l) * 16)); \
+         MEMORY_BARRIER _tile_loadd(t, wide, 64); MEMORY_BARRIER }
+// NB (<= 4) blocks of 16 outputs for R rows: w at the first block, x's rows xs elements apart, scale per output or null.
+template <int NB, typename W, typename Y>
+static void amx_blocks(const W* w, int64_t pairs, const at::BFloat16* x, int64_t xs, int R, Y* y, int64_t ys, const float* scale) {
+  alignas(64) float buf[256];
+  alignas(64) int32_t wide[256];
+  const int64_t block = pairs * 16;
+  _tile_zero(0);
+  if constexpr (NB > 1) _tile_zero(1);
+  if constexpr (NB > 2) _tile_zero(2);
+  if constexpr (NB > 3) _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += 16) {
+    for (int b = 0; b < NB; b++)  // the next 16 pairs, 1 KB (bf16) or 512 bytes (int8) ahead
+      for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)(w + b * block + p * 16 + 256) + l * 64, _MM_HINT_T0);
+    _tile_loadd(4, x + 2 * p, xs * 2);
+    AMX_LOAD_B(5, 0) _tile_dpbf16ps(0, 4, 5);
+    if constexpr (NB > 1) { AMX_LOAD_B(6, 1) _tile_dpbf16ps(1, 4, 6); }
+    if constexpr (NB > 2) { AMX_LOAD_B(7, 2) _tile_dpbf16ps(2, 4, 7); }
+    if constexpr (NB > 3) { AMX_LOAD_B(5, 3) _tile_dpbf16ps(3, 4, 5); }
+  }
+  AMX_STORE(0)
+  if constexpr (NB > 1) { AMX_STORE(1) }
+  if constexpr (NB > 2) { AMX_STORE(2) }
+  if constexpr (NB > 3) { AMX_STORE(3) }
+}
+// Every block for M rows: groups of 4 blocks split over the threads; past 16 rows the rows come 16 at a time from a
+// zero-padded copy, each group's weights read from memory once and again from cache for the next 16.
+template <typename W, typename Y>
+static void amx_rows(const W* w, int64_t blocks, int64_t pairs, const at::BFloat16* x, int64_t M, Y* y, int64_t N, const float* scale) {
+  at::Tensor padded;
+  int R = M < 16 ? (int)M : 16;
+  if (M > 16 && M % 16) {
+    padded = at::zeros({(M + 15) / 16 * 16, pairs * 2}, at::kBFloat16);
+    std::memcpy(padded.data_ptr(), x, M * pairs * 2 * sizeof(at::BFloat16));
+    x = padded.data_ptr<at::BFloat16>();
+  }
+  at::parallel_for(0, (blocks + 3) / 4, 1, [&](int64_t g0, int64_t g1) {
+    amx_config(R);
+    for (int64_t g = g0; g < g1; g++) {
+      const W* wg = w + g * 4 * pairs * 16;
+      const float* sg = scale ? scale + g * 64 : nullptr;
+      for (int64_t m = 0; m < M; m += 16) {
+        int rows = std::min<int64_t>(16, M - m);
+        const at::BFloat16* xm = x + m * pairs * 2;
+        Y* ym = y + m * N + g * 64;
+        switch (std::min<int64_t>(4, blocks - g * 4)) {
+          case 4: amx_blocks<4>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
+          case 3: amx_blocks<3>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
+          case 2: amx_blocks<2>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
+          case 1: amx_blocks<1>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
+        }
+      }
+    }
+    _tile_release();
+  });
+}
+static bool amx_granted = false;
+bool amx_set(bool on, int64_t min_rows) {  // Linux hands out the tile state on request: ARCH_REQ_XCOMP_PERM, XTILEDATA
+  if (on && !amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
+  amx_min_rows = min_rows;
+  return amx_on = on && amx_granted;
+}
+#else
+bool amx_set(bool on, int64_t min_rows) { return false; }
+#endif
+
 // Y: the output's type, bf16 or (the LM head's logits, not rounded to bf16's 8 bits) fp32; W: the weight's (above).
 template <typename W, typename Y>
 at::Tensor rows_mm_to(const at::Tensor& input, const at::Tensor& w, at::ScalarType out, const float* scale) {
@@ -103,6 +208,12 @@ at::Tensor rows_mm_to(const at::Tensor& input, const at::Tensor& w, at::ScalarTy
   auto xp = (const int32_t*)x.data_ptr();
   auto wp = (const W*)w.data_ptr();
   auto yp = y.data_ptr<Y>();
+#ifdef EAGLET_AMX
+  if (amx_on && pairs % 16 == 0 && M >= amx_min_rows) {
+    amx_rows<W, Y>(wp, blocks, pairs, (const at::BFloat16*)x.data_ptr(), M, yp, N, scale);
+    return y;
+  }
+#endif
   for (int64_t m = 0; m < M; m += 16) {  // more rows: 16 at a time, the weight read again for each
     auto xm = xp + m * pairs;
     auto ym = yp + m * N;
@@ -351,6 +462,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm(Tensor x, Tensor w) -> Tensor");
   m.def("rows_mm_f32(Tensor x, Tensor w) -> Tensor");
   m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
+  m.def("amx_set(bool on, int min_rows) -> bool", &amx_set);
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
@@ -362,33 +474,49 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
 """
 
 
-def cpu_has_bf16_dot() -> bool:
-    """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built. EAGLET_KERNELS=0
-    turns them off (oneDNN and Inductor's code serve: for comparison, and compiling.choose's quantised targets)."""
+def cpu_flags() -> set:
+    """The CPU's flags (/proc/cpuinfo), empty off x86-64 Linux or with EAGLET_KERNELS=0, which turns the kernels off
+    (oneDNN and Inductor's code serve: for comparison, and compiling.choose's quantised targets)."""
     if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or os.environ.get("EAGLET_KERNELS") == "0":
-        return False
+        return set()
     try:
-        return "avx512_bf16" in Path("/proc/cpuinfo").read_text().split()
+        return set(Path("/proc/cpuinfo").read_text().split())
     except OSError:
-        return False
+        return set()
+
+
+def cpu_has_bf16_dot() -> bool:
+    """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles with bf16 (rows_mm's tile path); EAGLET_AMX=0 keeps vdpbf16ps, for comparison."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags() and os.environ.get("EAGLET_AMX") != "0"
 
 
 @functools.cache
 def available() -> bool:
     """Whether the kernels run here: the CPU has AVX512-BF16 and they built (g++ and ninja, about 30 s the first time;
-    torch's extension cache keeps them). A failed build says why once, on stderr, and leaves oneDNN and Inductor's
-    code to serve."""
+    torch's extension cache keeps them; with AMX the linears' tile path too). A failed build says why once, on stderr,
+    and leaves oneDNN and Inductor's code to serve."""
     if not cpu_has_bf16_dot():
         return False
     from torch.utils.cpp_extension import load_inline
 
-    try:
-        load_inline("eaglet_rows_mm", cpp_sources=SOURCE, is_python_module=False,
-                    extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16"],
-                    extra_ldflags=["-fopenmp"])
-    except Exception as e:  # no compiler, no ninja: a slower path, not a failure
-        print(f"eaglet: the bf16 kernels did not build ({' '.join(str(e).split())[:200]}); oneDNN serves", file=sys.stderr)
+    for amx in ([["-mamx-tile", "-mamx-bf16", "-DEAGLET_AMX"]] if cpu_has_amx() else []) + [[]]:  # a compiler without AMX: vdpbf16ps
+        try:
+            load_inline("eaglet_rows_mm" + "_amx" * bool(amx), cpp_sources=SOURCE, is_python_module=False,
+                        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *amx],
+                        extra_ldflags=["-fopenmp"])
+            break
+        except Exception as e:  # no compiler, no ninja: a slower path, not a failure
+            error = e
+    else:
+        print(f"eaglet: the bf16 kernels did not build ({' '.join(str(error).split())[:200]}); oneDNN serves", file=sys.stderr)
         return False
+    global AMX
+    AMX = bool(amx) and torch.ops.eaglet.amx_set(True, AMX_MIN_ROWS)  # the kernel asks Linux for the tile state once
     for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32), ("rows_mm_int8", torch.bfloat16)):
         torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
         torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))

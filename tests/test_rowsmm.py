@@ -1,6 +1,7 @@
 # The bf16 rows kernel (rowsmm.py, over bf16 weights or int8 codes): what it computes, that a row's values do not depend
 # on the rows beside it, and the layer around it (packing, casts, loads, copies, vmap, a compiled graph, a draft head's
-# int8 linears). Runs where the CPU has AVX512-BF16.
+# int8 linears). Runs where the CPU has AVX512-BF16; where it has AMX too, the kernels are checked on both paths
+# (vdpbf16ps and AMX tiles).
 import copy
 import functools
 
@@ -15,12 +16,24 @@ import rowsmm
 pytestmark = pytest.mark.skipif(not rowsmm.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16")
 
 
+@pytest.fixture(params=["vdpbf16ps", "amx"])
+def path(request):
+    """The kernels' path for the test: vdpbf16ps everywhere, AMX tiles for every row count where the CPU has them
+    (skipped elsewhere)."""
+    assert rowsmm.available()
+    if request.param == "amx" and not rowsmm.AMX:
+        pytest.skip("needs a CPU with AMX")
+    torch.ops.eaglet.amx_set(request.param == "amx", 1)
+    yield request.param
+    torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS)
+
+
 def reference(x, w):
     return x.double() @ w.double().t()
 
 
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576), (576, 1536)])
-def test_rows_mm_is_the_product(out_features, in_features):
+def test_rows_mm_is_the_product(out_features, in_features, path):
     """Every row count 1-17 and 40 (16 at a time past 16), with leading dims: the double-precision product rounded once
     to bf16, give or take one bf16 step (the kernel's fp32 sums run in their own order). A wrong layout, a row read
     from the wrong place or an output block skipped misses by far more."""
@@ -45,7 +58,7 @@ def int8_op(w):
 
 
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576)])
-def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features):
+def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features, path):
     """rows_mm_int8 multiplies by codes * scale (one scale per output): the double-precision product rounded once to
     bf16, give or take one bf16 step, for 1-17 and 40 rows. The bf16 layout's words, a scale of the wrong output or none
     miss by far more."""
@@ -63,8 +76,8 @@ def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features):
 
 
 @pytest.mark.parametrize("op", ["rows_mm", "rows_mm_f32", "rows_mm_int8"])
-def test_a_row_does_not_depend_on_its_neighbours(op):
-    """Row r of an M-row product equals the one-row product of row r bit for bit, for every M up to 16: so a tree verify
+def test_a_row_does_not_depend_on_its_neighbours(op, path):
+    """Row r of an M-row product equals the one-row product of row r bit for bit, for M up to 17 and 40: so a tree verify
     scores a node exactly as the one-row decode step would (the grouping of output blocks changes with M, the order of
     each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of rows_mm_int8."""
     assert rowsmm.available()
@@ -74,13 +87,13 @@ def test_a_row_does_not_depend_on_its_neighbours(op):
         op = int8_op(w)[0]
     else:
         op = functools.partial(getattr(torch.ops.eaglet, op), w=rowsmm.pack(w))
-    x = torch.randn(16, 576).bfloat16()
-    alone = torch.cat([op(x[i : i + 1]) for i in range(16)])
-    for rows in range(2, 17):
+    x = torch.randn(40, 576).bfloat16()
+    alone = torch.cat([op(x[i : i + 1]) for i in range(40)])
+    for rows in [*range(2, 18), 40]:
         assert torch.equal(op(x[:rows]), alone[:rows]), rows
 
 
-def test_rows_mm_f32_writes_the_sums_unrounded():
+def test_rows_mm_f32_writes_the_sums_unrounded(path):
     """rows_mm_f32 writes the fp32 sums rows_mm rounds: within fp32's rounding of the double-precision product (far
     inside one bf16 step), rows_mm's output being exactly these sums rounded to bf16, for 1 to 17 rows."""
     assert rowsmm.available()
@@ -93,6 +106,32 @@ def test_rows_mm_f32_writes_the_sums_unrounded():
         ref = reference(x[:rows], w)
         assert y.dtype == torch.float32 and (y.double() - ref).abs().max() <= 1e-5 * ref.abs().max(), rows
         assert torch.equal(torch.ops.eaglet.rows_mm(x[:rows], packed), y.bfloat16()), rows
+
+
+def test_amx_takes_the_passes_of_enough_rows():
+    """Where /proc/cpuinfo lists amx_tile and amx_bf16, the kernels take the tiles (Linux granted the tile state) for
+    passes of AMX_MIN_ROWS rows or more, and vdpbf16ps below: each pass gives exactly its path's values (the two add a
+    row's products in different orders, so their fp32 sums differ in the last bits)."""
+    assert rowsmm.available()
+    if not rowsmm.cpu_has_amx():
+        pytest.skip("needs a CPU with AMX")
+    assert rowsmm.AMX
+    torch.manual_seed(3)
+    w, x = torch.randn(960, 576).bfloat16(), torch.randn(17, 576).bfloat16()
+    packed = rowsmm.pack(w)
+    op = lambda rows: torch.ops.eaglet.rows_mm_f32(x[:rows], packed)  # noqa: E731
+    try:
+        torch.ops.eaglet.amx_set(False, 1)
+        vdp = [op(rows) for rows in range(1, 18)]
+        torch.ops.eaglet.amx_set(True, 1)
+        tiles = [op(rows) for rows in range(1, 18)]
+        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS)
+        for rows in range(1, 18):
+            assert torch.equal(op(rows), (tiles if rows >= rowsmm.AMX_MIN_ROWS else vdp)[rows - 1]), rows
+    finally:
+        torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS)
+    for a, b in zip(vdp, tiles):
+        assert not torch.equal(a, b) and (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
 def test_logits_in_fp32_break_a_near_tie_by_value():
