@@ -23,6 +23,8 @@ GROUPSIZES = (32, 64, 128)
 # once and running a dense tensor-core GEMM: gpt-fast's int4 layer took 7.8x its one-row time at 64 rows, and
 # its int8 layer 170x, where a bf16 GEMM took 1.2x. A tree verify has about 60 rows, a draft step 1 to topk.
 KERNEL_MAX_ROWS = 16
+# Rows from which a bf16 RowsLinear hands its product to oneDNN's GEMM (RowsLinear).
+GEMM_ROWS = 2048
 # Rows one compiled CPU kernel of int8_rows_mm / int4_rows_mm serves at once: each row adds accumulators.
 ROWS_CHUNK = 8
 
@@ -308,7 +310,9 @@ class PackedLinear(nn.Linear):
 
 class RowsLinear(PackedLinear):
     """PackedLinear whose bf16 weight is packed for rowsmm's kernel instead (where rowsmm.fits it: AVX512-BF16): the
-    weight read once for up to 16 rows, where oneDNN and the GEMM templates turn compute-bound past a few."""
+    weight read once for up to 16 rows, where oneDNN and the GEMM templates turn compute-bound past a few. From
+    GEMM_ROWS rows on (a long prompt's prefill, a batch of prompts) oneDNN's GEMM on the plain weight is faster: at
+    3840 rows on one thread of an AMX Xeon 1.3-2x (576x576: 1.78 against 3.34 ms), more where the kernel has no tiles."""
 
     fp32_out = False  # logits_in_fp32: sums written as they are, not rounded to bf16
 
@@ -316,7 +320,8 @@ class RowsLinear(PackedLinear):
         self.packed = rowsmm.pack(self.weight.detach()) if rowsmm.fits(self) else None
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None or x.dtype != self.weight.dtype:
+        gemm = not self.fp32_out and x.numel() >= GEMM_ROWS * self.in_features  # fp32 logits stay the kernel's
+        if self.packed is None or x.dtype != self.weight.dtype or gemm:
             return nn.Linear.forward(self, x)
         y = (torch.ops.eaglet.rows_mm_f32 if self.fp32_out else torch.ops.eaglet.rows_mm)(x, self.packed)
         return y if self.bias is None else y + self.bias

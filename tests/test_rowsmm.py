@@ -193,6 +193,24 @@ def test_rows_linear_follows_its_weight():
     assert not rowsmm.fits(nn.Linear(63, 48).bfloat16()) and not rowsmm.fits(nn.Linear(64, 40).bfloat16())
 
 
+def test_rows_linear_hands_many_rows_to_the_gemm():
+    """From quant.GEMM_ROWS rows a bf16 RowsLinear returns nn.Linear's product (oneDNN's GEMM on the plain weight),
+    below them the rows kernel's, which reads the packed copy (zeroed here, so the two paths tell apart); an LM head
+    writing fp32 logits keeps the kernel at any row count."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    linear = nn.Linear(64, 48, bias=False).bfloat16()
+    layer = quant.RowsLinear(copy.deepcopy(linear))
+    layer.packed = torch.zeros_like(layer.packed)
+    with torch.no_grad():
+        many = torch.randn(quant.GEMM_ROWS, 64).bfloat16()
+        assert torch.equal(layer(many), linear(many)) and linear(many).any()
+        assert not layer(many[: quant.GEMM_ROWS - 1]).any()
+        layer.fp32_out = True
+        out = layer(many)
+        assert out.dtype == torch.float32 and not out.any()
+
+
 def test_rows_linear_in_compiled_and_vmapped_graphs():
     """Compiled with the CPU's settings (cpp_wrapper) the op is one call per layer and computes the eager values;
     under vmap (batch.py's rows) one call covers every row, not one per row."""
