@@ -124,17 +124,16 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     after = F.pad(feats[:, 1:].float(), (0, 0, 0, steps - 1))  # the target state step i at slot j predicts: after[:, j+i]
     feat_in = feats[:, :-1].float()
     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * cfg.noise
-    answer, row, target_all = answer_targets(after, prompt_lens, lengths, lm_head)
+    answer, row, target_all, best = answer_targets(after, prompt_lens, lengths, lm_head)
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, feat_in, steps)):
         counted = answer[:, i:i + T]
         pred, target = h[counted].float(), after[:, i:i + T][counted]
-        target_probs = target_all[row[:, i:i + T][counted]]
-        logits = F.linear(pred, lm_head)
+        ce, agree = soft_ce_fused(F.linear(pred, lm_head), target_all, row[:, i:i + T][counted], best)
         reg = F.smooth_l1_loss(pred, target)
-        cls = F.cross_entropy(logits, target_probs)
+        cls = ce.mean()
         loss = loss + cfg.ttt_decay ** i * (reg + cfg.cls_weight * cls)
-        stats["acc_steps"].append((logits.argmax(-1) == target_probs.argmax(-1)).float().mean())
+        stats["acc_steps"].append(agree.float().mean())
         if i == 0:
             stats |= {"reg": reg, "cls": cls}
             counted0 = int(counted.sum())
@@ -142,16 +141,30 @@ def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     return loss, stats, counted0
 
 
+def soft_ce(logits: Tensor, target_all: Tensor, rows: Tensor, best: Tensor) -> tuple:
+    """Cross-entropy of logits [N, V] against the distributions target_all[rows] (each sums to 1, so CE =
+    logsumexp(logits) - sum(p * logits)), and whether each row's argmax is best[rows], the target's. -> ([N], [N] bool)."""
+    logits = logits.float()
+    ce = torch.logsumexp(logits, -1) - (target_all[rows] * logits).sum(-1)
+    return ce, logits.argmax(-1) == best[rows]
+
+
+# Compiled, the rows' passes fuse (gather, upcast, logsumexp, product, argmax and their backward): eager, each op of
+# an unrolled step swept 100 MB of [N, 16384] logits and allocated the next (fresh pages), most of an EAGLE-3 step.
+soft_ce_fused = torch.compile(soft_ce, dynamic=True)
+
+
 def answer_targets(after: Tensor, prompt_lens: Tensor, lengths: Tensor, lm_head: Tensor) -> tuple:
     """Step i at slot j predicts position j+i of after [B, P, dim], counted when that position is an answer's, so
     one mask over positions serves every step. -> (answer [B, P], row [B, P]: a position's row in target_all,
-    target_all [answer positions, draft vocabulary]: the target's distribution restricted to it, renormalised)."""
+    target_all [answer positions, draft vocabulary]: the target's distribution restricted to it, renormalised; its
+    argmax per position)."""
     pos = torch.arange(after.shape[1], device=after.device)
     answer = (pos + 1 >= prompt_lens[:, None]) & (pos + 1 < lengths[:, None])
     row = answer.flatten().cumsum(0).view_as(answer) - 1
     with torch.no_grad():
         target_all = torch.softmax(F.linear(after[answer], lm_head).float(), dim=-1)
-    return answer, row, target_all
+    return answer, row, target_all, target_all.argmax(-1)
 
 
 def ttt_steps(cfg: TrainConfig) -> int:
@@ -180,16 +193,26 @@ class UnrolledAttention:
             self.context = (k, v)
         else:
             self.diagonal.append((k, v))
-        k0, v0 = self.context
-        scale = a.head_dim ** -0.5
-        causal = torch.ones(T, T, dtype=torch.bool, device=x.device).tril()
-        scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
-        scores += [(q * ki).sum(-1, keepdim=True) * scale for ki, _ in self.diagonal]
-        w = torch.softmax(torch.cat(scores, -1), -1)
-        y = w[..., :T] @ v0
-        for n, (_, vi) in enumerate(self.diagonal):
-            y = y + w[..., T + n:T + n + 1] * vi
+        y = unrolled_attend_fused(q, *self.context, [k for k, _ in self.diagonal], [v for _, v in self.diagonal])
         return a.wo(y.transpose(1, 2).reshape(B, T, q_size).to(x.dtype))
+
+
+def unrolled_attend(q: Tensor, k0: Tensor, v0: Tensor, kd: list, vd: list) -> Tensor:
+    """q [B, H, T, D] attends causally to k0/v0 and, at each slot, to that slot's keys of the earlier unrolled steps."""
+    T, scale = q.shape[2], q.shape[-1] ** -0.5
+    causal = torch.ones(T, T, dtype=torch.bool, device=q.device).tril()
+    scores = [(q @ k0.transpose(-1, -2) * scale).masked_fill(~causal, float("-inf"))]
+    scores += [(q * ki).sum(-1, keepdim=True) * scale for ki in kd]
+    w = torch.softmax(torch.cat(scores, -1), -1)
+    y = w[..., :T] @ v0
+    for n, vi in enumerate(vd):
+        y = y + w[..., T + n:T + n + 1] * vi
+    return y
+
+
+# Compiled (a graph per unrolled step, any T): the mask, the concatenation and the softmax fuse into a pass or two
+# over the [B, H, T, T] scores, where eagerly each was a pass of its own in fp32.
+unrolled_attend_fused = torch.compile(unrolled_attend, dynamic=True)
 
 
 @torch.no_grad()
@@ -239,20 +262,15 @@ def ttt_loss(head: Eagle3Head, embed: Tensor, lm_head: Tensor, batch: tuple, cfg
     tokens = F.pad(tokens, (0, steps))  # step i reads x_{j+1+i}; slots past a row's end are never counted
     after = F.pad(hidden[:, 1:].float(), (0, 0, 0, steps))  # the target state that step i at slot j predicts: after[:, j+i]
     keep_all = F.pad(keep, (0, steps))  # cache_keep's mask: the target's argmax lies in the draft vocabulary
-    answer, row, target_all = answer_targets(after, prompt_lens, lengths, lm_head)
+    answer, row, target_all, best = answer_targets(after, prompt_lens, lengths, lm_head)
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, fused[:, :T], steps, fc_scale)):
         counted = answer[:, i:i + T]
-        with torch.no_grad():
-            target_probs = target_all[row[:, i:i + T][counted]]
-            keep = keep_all[:, i:i + T][counted].float()
-        logits = head.logits(h[counted]).float()
-        ce = -(target_probs * F.log_softmax(logits, -1)).sum(-1)
+        keep = keep_all[:, i:i + T][counted].float()
+        ce, agree = soft_ce_fused(head.logits(h[counted]), target_all, row[:, i:i + T][counted], best)
         step_loss = (ce * keep).sum() / counted.sum().clamp(min=1)
         loss = loss + cfg.ttt_decay ** i * step_loss
-        with torch.no_grad():
-            agree = (logits.argmax(-1) == target_probs.argmax(-1)).float() * keep
-            stats["acc_steps"].append(agree.sum() / keep.sum().clamp(min=1))
+        stats["acc_steps"].append((agree.float() * keep).sum() / keep.sum().clamp(min=1))
         if i == 0:
             stats["cls"], counted0 = step_loss, int(counted.sum())
     stats["acc"] = stats["acc_steps"][0]
@@ -312,13 +330,15 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         fc_scale = fused_scale(data).to(target.tok_embeddings.weight.device)
         if cfg.init:  # the saved fc has a scale folded in; training multiplies the input by this one
             head.fc.weight.data.div_(fc_scale[None])
+    bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
+    # Under autocast the frozen LM heads are cast to bf16 once here: autocast casts a tensor that is not a parameter
+    # at every matmul, 20% of an EAGLE-3 step on one AMX Xeon thread (49152 and 16384 rows, 7 unrolled steps).
     embed = target.tok_embeddings.weight.detach().float()
-    lm_full = lm_head = target.output.weight.detach().float()
+    lm_full = lm_head = target.output.weight.detach().to(torch.bfloat16 if bf16 else torch.float)
     if len(head.draft_vocab):
         lm_head = lm_head[head.draft_vocab.to(lm_head.device)]
     in_draft = torch.zeros(len(lm_full), dtype=torch.bool, device=lm_full.device).index_fill_(0, head.draft_vocab.to(lm_full.device), True)
     loss_fn = ttt_loss if cfg.arch == "eagle3" else head_loss
-    bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
     per_epoch = math.ceil(len(data) / cfg.batch_size)
     total = cfg.epochs * per_epoch
     torch.manual_seed(cfg.seed + step)

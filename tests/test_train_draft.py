@@ -216,3 +216,24 @@ def test_misused_head_flags_are_one_line_exit_2(trained, tmp_path, capsys, flags
     assert train_draft.main(argv) == 2
     err = capsys.readouterr().err.strip()
     assert err.startswith("error:") and "\n" not in err
+
+
+def test_fused_soft_cross_entropy_is_the_cross_entropy():
+    """train_draft.soft_ce_fused (compiled, any row count): per row the cross-entropy against the gathered target
+    distribution, as F.cross_entropy with probability targets computes it, and its gradient; and whether the row's
+    argmax is the target's."""
+    torch.manual_seed(0)
+    target_all = torch.softmax(torch.randn(12, 50) * 3, -1)
+    best = target_all.argmax(-1)
+    for n in (7, 19):  # two row counts: the compiled graph is dynamic in them
+        rows = torch.randint(0, 12, (n,))
+        logits = (torch.randn(n, 50) * 3).requires_grad_()
+        ref = logits.detach().clone().requires_grad_()
+        ce, agree = train_draft.soft_ce_fused(logits, target_all, rows, best)
+        expect = torch.nn.functional.cross_entropy(ref, target_all[rows], reduction="none")
+        torch.testing.assert_close(ce, expect)
+        assert torch.equal(agree, ref.argmax(-1) == best[rows])
+        ce.sum().backward(), expect.sum().backward()
+        torch.testing.assert_close(logits.grad, ref.grad)
+    logits = target_all[rows].log().clone()  # the target's own logits agree everywhere
+    assert train_draft.soft_ce_fused(logits, target_all, rows, best)[1].all()
