@@ -210,9 +210,9 @@ def unrolled_attend(q: Tensor, k0: Tensor, v0: Tensor, kd: list, vd: list) -> Te
     return y
 
 
-# Compiled (a graph per unrolled step, any T): the mask, the concatenation and the softmax fuse into a pass or two
-# over the [B, H, T, T] scores, where eagerly each was a pass of its own in fp32.
-unrolled_attend_fused = torch.compile(unrolled_attend, dynamic=True)
+# Compiled (a graph per unrolled step, any T; past Dynamo's default of 8 graphs for --ttt-steps above 7): the mask, the
+# concatenation and the softmax fuse into a pass or two over the [B, H, T, T] scores, eagerly a pass each in fp32.
+unrolled_attend_fused = torch._dynamo.config.patch(recompile_limit=64)(torch.compile(unrolled_attend, dynamic=True))
 
 
 @torch.no_grad()
@@ -332,7 +332,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
             head.fc.weight.data.div_(fc_scale[None])
     bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
     # Under autocast the frozen LM heads are cast to bf16 once here: autocast casts a tensor that is not a parameter
-    # at every matmul, 20% of an EAGLE-3 step on one AMX Xeon thread (49152 and 16384 rows, 7 unrolled steps).
+    # at every matmul (cache_keep's 49152-row LM head for every chunk of rows, the draft rows at every unrolled step).
     embed = target.tok_embeddings.weight.detach().float()
     lm_full = lm_head = target.output.weight.detach().to(torch.bfloat16 if bf16 else torch.float)
     if len(head.draft_vocab):
