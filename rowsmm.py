@@ -1,6 +1,6 @@
-# Two hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16, built on first use (g++ through
-# torch.utils.cpp_extension): a linear layer (rows_mm; rows_mm_int8 over int8 codes, widened to bf16 in registers) and
-# attention for few queries (attend).
+# Hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16, built on first use (g++ through
+# torch.utils.cpp_extension): a linear layer (rows_mm; rows_mm_int8 over int8 codes, widened to bf16 in registers),
+# attention for few queries (attend), and greedy decoding's argmax over fp32 logits.
 #
 # A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without
 # AMX, Inductor's GEMM templates widen bf16 to fp32 (CppMicroGemmFP32Vec) and turn compute-bound past 3 rows, and
@@ -15,7 +15,7 @@
 #
 # With AMX (amx_tile, amx_bf16) the rows_mm ops run on tiles instead: the packed layout is the B tile's (int8 codes are
 # widened into one first), and one tile multiply sums 16 input pairs for up to 16 rows, so a verify's rows stop costing
-# compute. On a 2-core Intel Xeon with AMX, vdpbf16ps took 2.4x one row's time at 9 rows and 4.4x at 16 (the LM head),
+# compute; so does attend for a tree verify's queries (AMX_ATTEND_ROWS). On a 2-core Intel Xeon with AMX, vdpbf16ps took 2.4x one row's time at 9 rows and 4.4x at 16 (the LM head),
 # the tiles 1.0x and 1.1x. One and two rows stay on vdpbf16ps (AMX_MIN_ROWS): alone the tiles ran one row as fast, but
 # a compiled one-row decode step, its linears between vector code, 13% slower. So there a row's sums are the same in
 # every pass of 3 rows or more, and in every pass of 1 or 2, but the two paths add them in different orders.
@@ -30,9 +30,12 @@ import torch.nn as nn
 from torch import Tensor
 
 LANES = 16  # outputs a vector holds (fp32 accumulators)
-ATTENDS = False  # eaglet::attend is registered (available() built the kernels)
+ATTENDS = False  # eaglet::attend and eaglet::argmax are registered (available() built the kernels)
 AMX = False  # the rows_mm ops run on AMX tiles (available() found them and Linux granted them)
 AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step ran 13% slower on tiles (BENCHMARKS.md)
+# attend on tiles from this many query rows a KV head (a tree verify's 3 query heads times its rows): a one-row decode
+# step's 3 took 14 us there against the vector kernel's 10 (SmolLM2's shapes, 200 keys, 2 threads); 39 took 31 against 72.
+AMX_ATTEND_ROWS = 8
 
 SOURCE = r"""
 #include <ATen/ATen.h>
@@ -109,7 +112,7 @@ static void rows(const W* w, int64_t blocks, int64_t pairs, const int32_t* x, Y*
 #include <sys/syscall.h>
 #include <unistd.h>
 static bool amx_on = false;
-static int64_t amx_min_rows = 1;
+static int64_t amx_min_rows = 1, amx_attend_rows = 1;
 struct TileConfig { uint8_t palette, start; uint8_t pad[14]; uint16_t colsb[16]; uint8_t rows[16]; };
 static void amx_config(int R) {  // tiles 0-3: C (R rows of 16 fp32), 4: A (R rows of 32 bf16), 5-7: B
   TileConfig c = {};
@@ -188,13 +191,13 @@ static void amx_rows(const W* w, int64_t blocks, int64_t pairs, const at::BFloat
   });
 }
 static bool amx_granted = false;
-bool amx_set(bool on, int64_t min_rows) {  // Linux hands out the tile state on request: ARCH_REQ_XCOMP_PERM, XTILEDATA
+bool amx_set(bool on, int64_t min_rows, int64_t attend_rows) {  // Linux hands out the tile state on request: ARCH_REQ_XCOMP_PERM, XTILEDATA
   if (on && !amx_granted) amx_granted = syscall(SYS_arch_prctl, 0x1023, 18) == 0;
-  amx_min_rows = min_rows;
+  amx_min_rows = min_rows, amx_attend_rows = attend_rows;
   return amx_on = on && amx_granted;
 }
 #else
-bool amx_set(bool on, int64_t min_rows) { return false; }
+bool amx_set(bool on, int64_t min_rows, int64_t attend_rows) { return false; }
 #endif
 
 // Y: the output's type, bf16 or (the LM head's logits, not rounded to bf16's 8 bits) fp32; W: the weight's (above).
@@ -245,6 +248,40 @@ at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& w, const at::Tens
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0) * 16,
               "eaglet::rows_mm_int8: fp32 scales, one per output");
   return rows_mm_to<int16_t, at::BFloat16>(x, w, at::kBFloat16, scales.data_ptr<float>());
+}
+
+// The first index of each row's largest value (fp32 [..., N] -> int64 [...]), as torch.argmax: 16 lanes keep their
+// first maximum and its index, then the lowest index among the lanes holding the row's maximum. ATen's and Inductor's
+// argmax compare one element at a time (a 13-row verify's 49152 logits: 0.69 ms on a Xeon thread). NaN is never picked.
+at::Tensor argmax(const at::Tensor& logits) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1 && logits.size(-1) > 0, "eaglet::argmax: fp32 rows");
+  auto x = logits.contiguous();
+  int64_t N = x.size(-1), M = x.numel() / N;
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto y = at::empty(sizes, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  int64_t* yp = y.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      const float* r = xp + m * N;
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      __m512i at = _mm512_setzero_si512(), idx = _mm512_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15);
+      int64_t i = 0;
+      for (; i + 16 <= N; i += 16, idx = _mm512_add_epi32(idx, _mm512_set1_epi32(16))) {
+        __m512 v = _mm512_loadu_ps(r + i);
+        __mmask16 more = _mm512_cmp_ps_mask(v, best, _CMP_GT_OQ);
+        best = _mm512_mask_mov_ps(best, more, v);
+        at = _mm512_mask_mov_epi32(at, more, idx);
+      }
+      float top = _mm512_reduce_max_ps(best);
+      int64_t arg = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ), at);
+      for (; i < N; i++)
+        if (r[i] > top) top = r[i], arg = i;
+      yp[m] = arg;
+    }
+  });
+  return y;
 }
 
 // e^x for x <= 0 (softmax after its max is taken; -inf gives 0): Cephes' expf, a degree-6 polynomial after 2^n is split off.
@@ -403,6 +440,130 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
   }
 }
 
+#ifdef EAGLET_AMX
+// 16 vectors of 16 int32 -> their transpose (r[i] lane j becomes r[j] lane i): 4x4 blocks within 128-bit lanes, then
+// the lanes.
+static inline void transpose16(__m512i* r) {
+  __m512i t[16], u[16];
+  for (int i = 0; i < 16; i += 2) t[i] = _mm512_unpacklo_epi32(r[i], r[i + 1]), t[i + 1] = _mm512_unpackhi_epi32(r[i], r[i + 1]);
+  for (int g = 0; g < 16; g += 4) {
+    u[g] = _mm512_unpacklo_epi64(t[g], t[g + 2]), u[g + 1] = _mm512_unpackhi_epi64(t[g], t[g + 2]);
+    u[g + 2] = _mm512_unpacklo_epi64(t[g + 1], t[g + 3]), u[g + 3] = _mm512_unpackhi_epi64(t[g + 1], t[g + 3]);
+  }
+  for (int c = 0; c < 4; c++) {  // u[4g + c] lane L: rows 4g..4g+3 at column 4L + c
+    __m512i p = _mm512_shuffle_i32x4(u[c], u[4 + c], 0x44), q = _mm512_shuffle_i32x4(u[c], u[4 + c], 0xEE);
+    __m512i p2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0x44), q2 = _mm512_shuffle_i32x4(u[8 + c], u[12 + c], 0xEE);
+    r[c] = _mm512_shuffle_i32x4(p, p2, 0x88), r[4 + c] = _mm512_shuffle_i32x4(p, p2, 0xDD);
+    r[8 + c] = _mm512_shuffle_i32x4(q, q2, 0x88), r[12 + c] = _mm512_shuffle_i32x4(q, q2, 0xDD);
+  }
+}
+
+// R (<= 16) query rows r0.. of one KV head on tiles: the keys (cache, then tree) transposed into B tiles 16 at a time,
+// scores = Q K^T into a C tile, the softmax in fp32 as attend_rows', then P V with the values' rows paired into B
+// tiles. The vector kernel spends a dot product per query and key; here a tile multiply covers 16 of each.
+// fresh: the keys and values are not yet in kbuf and vbuf (the previous call was another KV head's).
+template <int C>  // C = head_dim / 32 (1, 2 or 4)
+static void attend_tiles(const Attend& a, int64_t r0, int R, bool fresh) {
+  static thread_local std::vector<int32_t> kbuf, vbuf;
+  static thread_local std::vector<float> score;
+  static thread_local std::vector<at::BFloat16> probs;
+  constexpr int D = 32 * C, NT = D / 16;
+  int64_t total = a.n[0] + a.n[1], blocks = (total + 15) / 16, tpad = (total + 31) / 32 * 32;
+  int64_t b = r0 / (a.H * a.T), kvh = r0 / a.T % a.H / (a.H / a.Hkv);
+  kbuf.resize(blocks * C * 256), vbuf.resize(tpad / 32 * NT * 256), score.resize(16 * tpad), probs.resize(16 * tpad);
+  auto key = [&](int64_t s, bool values) -> const at::BFloat16* {  // key or value row s of the cache and tree rows
+    int part = s >= a.n[0];
+    int64_t j = s - (part ? a.n[0] : 0);
+    return values ? a.v[part] + b * a.vb[part] + kvh * a.vh[part] + j * a.row_v[part]
+                  : a.k[part] + b * a.kb[part] + kvh * a.kh[part] + j * a.row_k[part];
+  };
+  for (int64_t kb = 0; kb < blocks * fresh; kb++)  // B tiles of K^T: row p = input pair p of 16 keys
+    for (int c = 0; c < C; c++) {
+      __m512i r[16];
+      for (int j = 0; j < 16; j++)
+        r[j] = kb * 16 + j < total ? _mm512_loadu_si512(key(kb * 16 + j, false) + c * 32) : _mm512_setzero_si512();
+      transpose16(r);
+      for (int p = 0; p < 16; p++) _mm512_storeu_si512(kbuf.data() + (kb * C + c) * 256 + p * 16, r[p]);
+    }
+  for (int64_t s = 0; s < tpad * fresh; s += 2)  // B tiles of V: row m = values s, s + 1 paired, 16 dims a tile
+    for (int n = 0; n < NT; n++) {
+      __m256i x0 = s < total ? _mm256_loadu_si256((const __m256i*)(key(s, true) + n * 16)) : _mm256_setzero_si256();
+      __m256i x1 = s + 1 < total ? _mm256_loadu_si256((const __m256i*)(key(s + 1, true) + n * 16)) : _mm256_setzero_si256();
+      __m256i lo = _mm256_unpacklo_epi16(x0, x1), hi = _mm256_unpackhi_epi16(x0, x1);
+      int32_t* row = vbuf.data() + ((s / 32) * NT + n) * 256 + (s % 32) / 2 * 16;
+      _mm256_storeu_si256((__m256i*)row, _mm256_permute2x128_si256(lo, hi, 0x20));
+      _mm256_storeu_si256((__m256i*)(row + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
+    }
+  amx_config(R);
+  const int32_t* q = a.q + r0 * D / 2;
+  _tile_loadd(1, q, D * 2);
+  if constexpr (C > 1) _tile_loadd(2, q + 16, D * 2);
+  if constexpr (C > 2) { _tile_loadd(3, q + 32, D * 2); _tile_loadd(4, q + 48, D * 2); }
+  for (int64_t kb = 0; kb < blocks; kb++) {
+    _tile_zero(0);
+    const int32_t* kt = kbuf.data() + kb * C * 256;
+    _tile_loadd(5, kt, 64); _tile_dpbf16ps(0, 1, 5);
+    if constexpr (C > 1) { _tile_loadd(6, kt + 256, 64); _tile_dpbf16ps(0, 2, 6); }
+    if constexpr (C > 2) { _tile_loadd(7, kt + 512, 64); _tile_dpbf16ps(0, 3, 7); _tile_loadd(5, kt + 768, 64); _tile_dpbf16ps(0, 4, 5); }
+    _tile_stored(0, score.data() + kb * 16, tpad * 4);
+  }
+  MEMORY_BARRIER
+  float inv[16];
+  for (int i = 0; i < R; i++) {
+    int64_t r = r0 + i, h = r / a.T % a.H, t = r % a.T;
+    const bool* m = a.mask + b * a.ms[0] + h * a.ms[1] + t * a.ms[2];
+    float* sc = score.data() + i * tpad;
+    __m512 top = _mm512_set1_ps(-INFINITY);
+    for (int64_t s = 0; s < total; s += 16) {
+      __mmask16 live = 0;
+      if (a.ms[3] == 1 && total - s >= 16) {
+        __m128i bits = _mm_loadu_si128((const __m128i*)(m + s));
+        live = _mm_test_epi8_mask(bits, bits);
+      } else {
+        for (int j = 0; j < 16 && s + j < total; j++) live |= (__mmask16)((unsigned)m[(s + j) * a.ms[3]] << j);
+      }
+      __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(sc + s), _mm512_set1_ps(a.scale)));
+      _mm512_storeu_ps(sc + s, x);
+      top = _mm512_max_ps(top, x);
+    }
+    float mx = _mm512_reduce_max_ps(top);
+    if (mx == -INFINITY) mx = 0;  // a row that may read nothing: zeros, not NaN
+    __m512 sum = _mm512_setzero_ps();
+    at::BFloat16* pr = probs.data() + i * tpad;
+    for (int64_t s = 0; s < tpad; s += 16) {
+      __mmask16 live = total - s >= 16 ? (__mmask16)0xFFFF : total > s ? (__mmask16)((1u << (total - s)) - 1) : 0;
+      __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + s), _mm512_set1_ps(mx))));
+      sum = _mm512_add_ps(sum, e);
+      store16(pr + s, e);
+    }
+    inv[i] = 1.0f / std::max(_mm512_reduce_add_ps(sum), 1e-30f);
+  }
+  MEMORY_BARRIER
+  alignas(64) float buf[256];
+  for (int n0 = 0; n0 < NT; n0 += 4) {  // 4 C tiles of 16 dims at a time
+    _tile_zero(0); _tile_zero(1); _tile_zero(2); _tile_zero(3);
+    for (int64_t kc = 0; kc < tpad / 32; kc++) {
+      _tile_loadd(4, probs.data() + kc * 32, tpad * 2);
+      const int32_t* vt = vbuf.data() + (kc * NT + n0) * 256;
+      _tile_loadd(5, vt, 64); _tile_dpbf16ps(0, 4, 5);
+      if constexpr (NT > 1) { _tile_loadd(6, vt + 256, 64); _tile_dpbf16ps(1, 4, 6); }
+      if constexpr (NT > 2) { _tile_loadd(7, vt + 512, 64); _tile_dpbf16ps(2, 4, 7); _tile_loadd(5, vt + 768, 64); _tile_dpbf16ps(3, 4, 5); }
+    }
+    for (int n = 0; n < std::min(4, NT - n0); n++) {
+      switch (n) {
+        case 0: _tile_stored(0, buf, 64); break;
+        case 1: _tile_stored(1, buf, 64); break;
+        case 2: _tile_stored(2, buf, 64); break;
+        case 3: _tile_stored(3, buf, 64); break;
+      }
+      MEMORY_BARRIER
+      for (int i = 0; i < R; i++)
+        store16(a.y + (r0 + i) * D + (n0 + n) * 16, _mm512_mul_ps(_mm512_loadu_ps(buf + i * 16), _mm512_set1_ps(inv[i])));
+    }
+  }
+}
+#endif
+
 template <int C>
 static void attend_all(const Attend& a, int64_t B) {
   // The rows of one KV head are consecutive (G heads x T queries); they go in chunks of up to RMAX rows sharing their
@@ -411,6 +572,19 @@ static void attend_all(const Attend& a, int64_t B) {
   int64_t per = a.H / a.Hkv * a.T, groups = B * a.Hkv, rows = RMAX;
   while (rows > 1 && groups * ((per + rows - 1) / rows) < 4 * at::get_num_threads()) rows--;
   int64_t chunks = (per + rows - 1) / rows;
+#ifdef EAGLET_AMX
+  if (amx_on && C <= 4 && per >= amx_attend_rows) {  // tiles of up to 16 rows of a KV head, split evenly
+    int64_t tiles = (per + 15) / 16;
+    at::parallel_for(0, groups * tiles, 1, [&](int64_t c0, int64_t c1) {
+      for (int64_t c = c0; c < c1; c++) {
+        int64_t g = c / tiles, k = c % tiles, lo = k * per / tiles, hi = (k + 1) * per / tiles;
+        attend_tiles<C <= 4 ? C : 4>(a, g * per + lo, (int)(hi - lo), c == c0 || k == 0);
+      }
+      _tile_release();
+    });
+    return;
+  }
+#endif
   at::parallel_for(0, groups * chunks, 1, [&](int64_t c0, int64_t c1) {
     int64_t total = a.n[0] + a.n[1];
     std::vector<float> score(RMAX * (total + 32));
@@ -462,13 +636,15 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm(Tensor x, Tensor w) -> Tensor");
   m.def("rows_mm_f32(Tensor x, Tensor w) -> Tensor");
   m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
-  m.def("amx_set(bool on, int min_rows) -> bool", &amx_set);
+  m.def("amx_set(bool on, int min_rows, int attend_rows) -> bool", &amx_set);
+  m.def("argmax(Tensor logits) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rows_mm", &rows_mm);
   m.impl("rows_mm_f32", &rows_mm_f32);
   m.impl("rows_mm_int8", &rows_mm_int8);
+  m.impl("argmax", &argmax);
   m.impl("attend", &attend);
 }
 """
@@ -516,10 +692,12 @@ def available() -> bool:
         print(f"eaglet: the bf16 kernels did not build ({' '.join(str(error).split())[:200]}); oneDNN serves", file=sys.stderr)
         return False
     global AMX
-    AMX = bool(amx) and torch.ops.eaglet.amx_set(True, AMX_MIN_ROWS)  # the kernel asks Linux for the tile state once
+    AMX = bool(amx) and torch.ops.eaglet.amx_set(True, AMX_MIN_ROWS, AMX_ATTEND_ROWS)  # the kernel asks Linux for the tile state once
     for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32), ("rows_mm_int8", torch.bfloat16)):
         torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
         torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
+    torch.library.register_fake("eaglet::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
+    torch.library.register_vmap("eaglet::argmax")(functools.partial(batch_rule, torch.ops.eaglet.argmax))
     torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
     global ATTENDS
@@ -547,6 +725,13 @@ def attend_batch_rule(info, in_dims, *args):
 def attends(q: Tensor) -> bool:
     """Whether eaglet::attend serves these queries (model.attend_few asks while tracing: a flag, not a build)."""
     return ATTENDS and q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in (32, 64, 128, 256)
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """torch.argmax(logits, -1), through eaglet::argmax where it serves (fp32 on a CPU with the kernels)."""
+    if ATTENDS and logits.dtype == torch.float32 and logits.device.type == "cpu":
+        return torch.ops.eaglet.argmax(logits)
+    return torch.argmax(logits, dim=-1)
 
 
 def pack(weight: Tensor) -> Tensor:

@@ -23,9 +23,9 @@ def path(request):
     assert rowsmm.available()
     if request.param == "amx" and not rowsmm.AMX:
         pytest.skip("needs a CPU with AMX")
-    torch.ops.eaglet.amx_set(request.param == "amx", 1)
+    torch.ops.eaglet.amx_set(request.param == "amx", 1, 1)
     yield request.param
-    torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS)
+    torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
 
 
 def reference(x, w):
@@ -122,15 +122,15 @@ def test_amx_takes_the_passes_of_enough_rows():
     packed = rowsmm.pack(w)
     op = lambda rows: torch.ops.eaglet.rows_mm_f32(x[:rows], packed)  # noqa: E731
     try:
-        torch.ops.eaglet.amx_set(False, 1)
+        torch.ops.eaglet.amx_set(False, 1, 1)
         vdp = [op(rows) for rows in range(1, 18)]
-        torch.ops.eaglet.amx_set(True, 1)
+        torch.ops.eaglet.amx_set(True, 1, 1)
         tiles = [op(rows) for rows in range(1, 18)]
-        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS)
+        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
         for rows in range(1, 18):
             assert torch.equal(op(rows), (tiles if rows >= rowsmm.AMX_MIN_ROWS else vdp)[rows - 1]), rows
     finally:
-        torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS)
+        torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
     for a, b in zip(vdp, tiles):
         assert not torch.equal(a, b) and (a - b).abs().max() <= 1e-5 * a.abs().max()
 
@@ -242,11 +242,13 @@ def attention_reference(q, k, v, mask, kt, vt):
 
 
 @pytest.mark.parametrize("B,H,n_kv,D,S,T,tree", [(1, 9, 3, 64, 200, 1, 0), (1, 9, 3, 64, 130, 9, 9), (2, 4, 2, 128, 37, 5, 3),
-                                                 (1, 4, 4, 32, 17, 16, 0)])
-def test_attend_is_softmax_attention(B, H, n_kv, D, S, T, tree):
+                                                 (1, 4, 4, 32, 17, 16, 0), (1, 9, 3, 64, 31, 13, 13), (1, 8, 1, 64, 64, 4, 4)])
+def test_attend_is_softmax_attention(B, H, n_kv, D, S, T, tree, path):
     """eaglet::attend over a cache's first S slots (a strided slice, as KVCache.update hands it) and a tree's own rows,
     under a random mask of each shape attend_few takes ([T, S'], [B, 1, T, S'], [B, H, T, S'] expanded), GQA: the
-    double-precision softmax attention within bf16's rounding of the result. Rows depend on nothing beside them."""
+    double-precision softmax attention within bf16's rounding of the result. Rows depend on nothing beside them (on
+    either path: the tiles take more than 16 rows of a KV head in several passes, and blocks that straddle the cache's
+    end and the tree's start)."""
     assert rowsmm.available()
     torch.manual_seed(0)
     k, v = (torch.randn(B, n_kv, S + 40, D).bfloat16()[:, :, :S] for _ in range(2))
@@ -260,6 +262,52 @@ def test_attend_is_softmax_attention(B, H, n_kv, D, S, T, tree):
         for t in range(T):
             row = torch.ops.eaglet.attend(q[:, :, t : t + 1], k, v, mask.expand(B, H, T, -1)[:, :, t : t + 1], kt, vt, D**-0.5)
             assert torch.equal(row, y[:, :, t : t + 1])
+
+
+def test_attend_takes_the_tiles_for_enough_rows():
+    """With AMX, a KV head's AMX_ATTEND_ROWS query rows or more go to the tiles, fewer to the vector kernel: each gives
+    exactly its path's values, and the two agree within bf16's rounding."""
+    assert rowsmm.available()
+    if not rowsmm.AMX:
+        pytest.skip("needs a CPU with AMX")
+    torch.manual_seed(1)
+    k, v = (torch.randn(1, 3, 150, 64).bfloat16() for _ in range(2))
+    k = (k.float() * 2.0 ** torch.randint(0, 24, k.shape)).bfloat16()  # products of every size: the sums' order shows
+    kt, vt = (torch.randn(1, 3, 13, 64).bfloat16() for _ in range(2))
+    q = torch.randn(1, 9, 13, 64).bfloat16()
+    mask = (torch.rand(1, 1, 13, 163) < 0.7).expand(1, 9, 13, -1)
+    op = lambda T: torch.ops.eaglet.attend(q[:, :, :T], k, v, mask[:, :, :T], kt, vt, 2.0**-22)  # noqa: E731
+    try:
+        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS, 1000)
+        vector = [op(T) for T in range(1, 14)]
+        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS, 1)
+        tiles = [op(T) for T in range(1, 14)]
+    finally:
+        torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
+    for T in range(1, 14):
+        assert torch.equal(op(T), (tiles if 3 * T >= rowsmm.AMX_ATTEND_ROWS else vector)[T - 1]), T
+        assert (tiles[T - 1].float() - vector[T - 1].float()).abs().max() <= 2e-2, T
+    assert not torch.equal(tiles[-1], vector[-1])
+
+
+def test_argmax_is_torch_argmax():
+    """eaglet::argmax (greedy decoding's draw on a CPU with the kernels): torch.argmax's index, the first of equal
+    maxima, over rows of any length and leading shape, rows of -inf included, eager, compiled and under vmap."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    for shape in [(49152,), (13, 49152), (3, 5, 17), (2, 7), (4, 1)]:
+        x = torch.randn(shape)
+        assert torch.equal(rowsmm.argmax(x), torch.argmax(x, -1)), shape
+    x = torch.randint(0, 3, (64, 100)).float()  # many ties, in lanes and across them
+    x[5] = float("-inf")
+    x[6, 99] = 7.0  # the maximum in the scalar tail
+    assert torch.equal(torch.ops.eaglet.argmax(x), torch.argmax(x, -1))
+    assert torch.equal(torch.ops.eaglet.argmax(x[:, ::2]), torch.argmax(x[:, ::2], -1))  # strided
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: rowsmm.argmax(x * 2), fullgraph=True, dynamic=False), x)
+    assert torch.equal(out, torch.argmax(x, -1)) and "eaglet.argmax" in code
+    assert torch.equal(torch.vmap(rowsmm.argmax)(x.view(4, 16, 100)), torch.argmax(x, -1).view(4, 16))
 
 
 def test_attend_few_takes_the_kernel_when_compiled():
