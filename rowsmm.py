@@ -15,10 +15,11 @@
 #
 # With AMX (amx_tile, amx_bf16) the rows_mm ops run on tiles instead: the packed layout is the B tile's (int8 codes are
 # widened into one first), and one tile multiply sums 16 input pairs for up to 16 rows, so a verify's rows stop costing
-# compute; so does attend for a tree verify's queries (AMX_ATTEND_ROWS). On a 2-core Intel Xeon with AMX, vdpbf16ps took 2.4x one row's time at 9 rows and 4.4x at 16 (the LM head),
-# the tiles 1.0x and 1.1x. One and two rows stay on vdpbf16ps (AMX_MIN_ROWS): alone the tiles ran one row as fast, but
-# a compiled one-row decode step, its linears between vector code, 13% slower. So there a row's sums are the same in
-# every pass of 3 rows or more, and in every pass of 1 or 2, but the two paths add them in different orders.
+# compute (and attend's for a tree verify's queries: AMX_ATTEND_ROWS). On a 2-core Intel Xeon with AMX, vdpbf16ps took
+# 2.4x one row's time at 9 rows and 4.4x at 16 (the LM head), the tiles 1.0x and 1.1x. One and two rows stay on
+# vdpbf16ps (AMX_MIN_ROWS): alone the tiles ran one row as fast, but a compiled one-row decode step, its linears between
+# vector code, 13% slower. So there a row's sums are the same in every pass of 3 rows or more, and in every pass of 1 or
+# 2, but the two paths add them in different orders.
 import functools
 import os
 import platform
