@@ -316,6 +316,17 @@ static inline __m512 sum16(const __m512* a) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(2, 0, 2, 0)), _mm512_shuffle_f32x4(v0, v1, _MM_SHUFFLE(3, 1, 3, 1)));
 }
 
+// Mask slots s.. (stride apart) as bits, the first min(16, n - s) of them; the rest 0.
+static inline __mmask16 mask16(const bool* m, int64_t s, int64_t n, int64_t stride) {
+  if (stride == 1 && n - s >= 16) {
+    __m128i bits = _mm_loadu_si128((const __m128i*)(m + s));
+    return _mm_test_epi8_mask(bits, bits);
+  }
+  __mmask16 live = 0;
+  for (int j = 0; j < 16 && s + j < n; j++) live |= (__mmask16)((unsigned)m[(s + j) * stride] << j);
+  return live;
+}
+
 struct Attend {  // one eaglet::attend call: q [B, H, T, D]; k, v [B, Hkv, S, D]; their tree rows kt, vt [B, Hkv, Tt, D]
   const int32_t* q;
   at::BFloat16* y;
@@ -349,7 +360,6 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
       int64_t w = std::min<int64_t>(16, n - s0);
       for (int i = 0; i < R; i++) {
         __m512 acc[16];
-        __mmask16 live = 0;
         if (w == 16) {  // unrolled: the accumulators stay in registers
 #pragma GCC unroll 16
           for (int j = 0; j < 16; j++) {
@@ -359,22 +369,15 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
               x = _mm512_dpbf16_ps(x, qv[i][c], (__m512bh)_mm512_loadu_si512(kp + (s0 + j) * row + c * 32));
             acc[j] = x;
           }
-          if (a.ms[3] == 1) {
-            __m128i bits = _mm_loadu_si128((const __m128i*)(m[i] + off + s0));
-            live = _mm_test_epi8_mask(bits, bits);
-          } else {
-            for (int j = 0; j < 16; j++) live |= (__mmask16)((unsigned)m[i][(off + s0 + j) * a.ms[3]] << j);
-          }
         } else {
           for (int j = 0; j < 16; j++) {
             acc[j] = _mm512_setzero_ps();
             if (j >= w) continue;
             for (int c = 0; c < C; c++)
               acc[j] = _mm512_dpbf16_ps(acc[j], qv[i][c], (__m512bh)_mm512_loadu_si512(kp + (s0 + j) * row + c * 32));
-            live |= (__mmask16)((unsigned)m[i][(off + s0 + j) * a.ms[3]] << j);
           }
         }
-        __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(a.scale)));
+        __m512 x = _mm512_mask_blend_ps(mask16(m[i], off + s0, off + n, a.ms[3]), _mm512_set1_ps(-INFINITY), _mm512_mul_ps(sum16(acc), _mm512_set1_ps(a.scale)));
         _mm512_storeu_ps(score + i * stride + off + s0, x);  // past n: -inf, then the tree's scores or spare room
         top[i] = _mm512_max_ps(top[i], x);
       }
@@ -516,14 +519,7 @@ static void attend_tiles(const Attend& a, int64_t r0, int R, bool fresh) {
     float* sc = score.data() + i * tpad;
     __m512 top = _mm512_set1_ps(-INFINITY);
     for (int64_t s = 0; s < total; s += 16) {
-      __mmask16 live = 0;
-      if (a.ms[3] == 1 && total - s >= 16) {
-        __m128i bits = _mm_loadu_si128((const __m128i*)(m + s));
-        live = _mm_test_epi8_mask(bits, bits);
-      } else {
-        for (int j = 0; j < 16 && s + j < total; j++) live |= (__mmask16)((unsigned)m[(s + j) * a.ms[3]] << j);
-      }
-      __m512 x = _mm512_mask_blend_ps(live, _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(sc + s), _mm512_set1_ps(a.scale)));
+      __m512 x = _mm512_mask_blend_ps(mask16(m, s, total, a.ms[3]), _mm512_set1_ps(-INFINITY), _mm512_mul_ps(_mm512_loadu_ps(sc + s), _mm512_set1_ps(a.scale)));
       _mm512_storeu_ps(sc + s, x);
       top = _mm512_max_ps(top, x);
     }
