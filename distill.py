@@ -27,6 +27,7 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import quant
+import rowsmm
 from checkpoint import UsageError
 from model import Transformer, causal_mask, eagle3_taps, find_multiple
 from prompts import MT_BENCH, load_conversations
@@ -85,7 +86,7 @@ def draw_rows(logits: Tensor, temperature: Tensor, top_p: float) -> Tensor:
     else:
         probs, ids = nucleus(logits, temperature, top_p)
         choice = ids.gather(-1, sample(probs)[:, None]).squeeze(-1)
-    return torch.where(temperature == 0, logits.argmax(-1), choice)
+    return torch.where(temperature == 0, rowsmm.argmax(logits), choice)
 
 
 NUCLEUS_CANDIDATES = 256  # where nucleus() looks for the top-p nucleus: this many most likely tokens

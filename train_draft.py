@@ -35,6 +35,7 @@ from tqdm import tqdm
 
 import distill
 import dtypes
+import rowsmm
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
@@ -219,7 +220,7 @@ unrolled_attend_fused = torch._dynamo.config.patch(recompile_limit=64)(torch.com
 def target_argmax(hidden: Tensor, lm_head: Tensor, rows: int = 2048) -> Tensor:
     """The target's argmax over its whole vocabulary, a chunk of rows at a time (the logits are large)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return torch.cat([(chunk @ lm_head.T).argmax(-1) for chunk in flat.split(rows)]).view(hidden.shape[:-1])
+    return torch.cat([rowsmm.argmax(chunk @ lm_head.T) for chunk in flat.split(rows)]).view(hidden.shape[:-1])
 
 
 def cache_keep(records: list, idx: list, lm_full: Tensor, in_draft: Tensor):
