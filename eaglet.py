@@ -293,10 +293,8 @@ class Generator:
             if self.spec:
                 drafter = self.head if self.head is not None else self.draft_model
                 cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
-                if lap:
-                    chunk = eager_cycle(self.target, drafter, self.state, self.spec, sampling, lap).tolist()
-                else:
-                    chunk = cycle(self.target, drafter, self.state, self.spec, sampling).tolist()
+                args = (self.target, drafter, self.state, self.spec, sampling)
+                chunk = (eager_cycle(*args, lap) if lap else cycle(*args)).tolist()
                 if self.spec.mode == "lookup":
                     drafts = bool(chunk.pop())
                 accept_len, new = chunk[0], chunk[1:chunk[0] + 2]

@@ -1,6 +1,6 @@
 # Hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16, built on first use (g++ through
 # torch.utils.cpp_extension): a linear layer (rows_mm; rows_mm_int8 over int8 codes, widened to bf16 in registers),
-# attention for few queries (attend), and greedy decoding's argmax over fp32 logits.
+# attention for few queries (attend), and the draws over fp32 logits: greedy decoding's argmax, sampling's softmax draw.
 #
 # A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without
 # AMX, Inductor's GEMM templates widen bf16 to fp32 (CppMicroGemmFP32Vec) and turn compute-bound past 3 rows, and
@@ -31,7 +31,7 @@ import torch.nn as nn
 from torch import Tensor
 
 LANES = 16  # outputs a vector holds (fp32 accumulators)
-ATTENDS = False  # eaglet::attend and eaglet::argmax are registered (available() built the kernels)
+ATTENDS = False  # eaglet::attend, argmax and sample are registered (available() built the kernels)
 AMX = False  # the rows_mm ops run on AMX tiles (available() found them and Linux granted them)
 AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step ran 13% slower on tiles (BENCHMARKS.md)
 # attend on tiles from this many query rows a KV head (a tree verify's 3 query heads times its rows): a one-row decode
@@ -300,6 +300,58 @@ static inline __m512 exp_ps(__m512 x) {
   p = _mm512_fmadd_ps(p, x, _mm512_set1_ps(5.0000001201e-1f));
   p = _mm512_fmadd_ps(_mm512_mul_ps(p, x), x, _mm512_add_ps(x, _mm512_set1_ps(1.0f)));
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
+}
+
+// One draw per row of softmax(logits * inv_t) (fp32 [..., N]; u [...]: a float64 uniform in [0, 1) a row -> int64 [...]),
+// sampling.sample's inverse CDF: the first index whose running sum passes u times the row's total. The exponentials
+// stay in a buffer (a 49152-token row: 192 KB) with a sum per 16, so the walk adds 16 at a time up to the right block.
+// torch's softmax, float64 cumsum and searchsorted took 1.5 ms of a 12-row verify on a Xeon thread.
+at::Tensor sample(const at::Tensor& logits, const at::Tensor& u, double inv_t) {
+  TORCH_CHECK(logits.scalar_type() == at::kFloat && u.scalar_type() == at::kDouble && logits.dim() >= 1 && logits.size(-1) > 0
+              && u.numel() * logits.size(-1) == logits.numel(), "eaglet::sample: fp32 rows, a float64 uniform a row");
+  auto x = logits.contiguous();
+  auto uc = u.contiguous();
+  int64_t N = x.size(-1), M = x.numel() / N, NB = (N + 15) / 16;
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto y = at::empty(sizes, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  const double* up = uc.data_ptr<double>();
+  int64_t* yp = y.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    static thread_local std::vector<float> e, part;
+    e.resize(NB * 16), part.resize(NB);
+    for (int64_t m = m0; m < m1; m++) {
+      const float* r = xp + m * N;
+      __m512 best = _mm512_set1_ps(-INFINITY);
+      for (int64_t b = 0; b < NB; b++) {
+        __mmask16 live = N - 16 * b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - 16 * b)) - 1);
+        best = _mm512_max_ps(best, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, r + 16 * b));
+      }
+      __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best)), scale = _mm512_set1_ps((float)inv_t);
+      double total = 0;
+      for (int64_t b = 0; b < NB; b++) {
+        __mmask16 live = N - 16 * b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - 16 * b)) - 1);
+        __m512 v = _mm512_mask_loadu_ps(top, live, r + 16 * b);
+        __m512 ev = _mm512_maskz_mov_ps(live, exp_ps(_mm512_mul_ps(_mm512_sub_ps(v, top), scale)));
+        _mm512_storeu_ps(e.data() + 16 * b, ev);
+        total += part[b] = _mm512_reduce_add_ps(ev);
+      }
+      double target = up[m] * total, acc = 0;
+      int64_t b = 0, with_mass = 0;
+      for (; b < NB && acc + part[b] <= target; b++) {
+        acc += part[b];
+        with_mass = part[b] > 0 ? b : with_mass;
+      }
+      // The block whose sum passes the target; should rounding carry the target past every sum, the last with mass.
+      // Within it the last token with mass so far, until one passes (its elements added one by one may not).
+      int64_t arg = 0;
+      for (int64_t i = 16 * (b < NB ? b : with_mass), end = i + 16; i < end; i++)
+        if (e[i] > 0 && (arg = i, (acc += e[i]) > target && b < NB)) break;
+      yp[m] = arg;
+    }
+  });
+  return y;
 }
 
 // Sixteen vectors -> one whose lane i is the sum of a[i]'s lanes: a transpose-and-add tree, 45 instructions where
@@ -635,6 +687,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("amx_set(bool on, int min_rows, int attend_rows) -> bool", &amx_set);
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("sample(Tensor logits, Tensor u, float inv_t) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
@@ -642,6 +695,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rows_mm_f32", &rows_mm_f32);
   m.impl("rows_mm_int8", &rows_mm_int8);
   m.impl("argmax", &argmax);
+  m.impl("sample", &sample);
   m.impl("attend", &attend);
 }
 """
@@ -695,6 +749,8 @@ def available() -> bool:
         torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
     torch.library.register_fake("eaglet::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
     torch.library.register_vmap("eaglet::argmax")(functools.partial(batch_rule, torch.ops.eaglet.argmax))
+    torch.library.register_fake("eaglet::sample")(lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.long))
+    torch.library.register_vmap("eaglet::sample")(sample_batch_rule)
     torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
     global ATTENDS
@@ -707,6 +763,12 @@ def batch_rule(op, info, in_dims, x, *weight):
     if any(d is not None for d in in_dims[1:]):
         raise NotImplementedError("eaglet::rows_mm batched over its weights")
     return op(x.movedim(in_dims[0], 0), *weight), 0
+
+
+def sample_batch_rule(info, in_dims, logits, u, inv_t):
+    """Under batch.py's vmap: the logits' and uniforms' batch dims to the front (an unbatched one expanded), one call."""
+    logits, u = (x.expand(info.batch_size, *x.shape) if d is None else x.movedim(d, 0) for x, d in zip((logits, u), in_dims))
+    return torch.ops.eaglet.sample(logits, u, inv_t), 0
 
 
 def attend_batch_rule(info, in_dims, *args):
@@ -724,11 +786,21 @@ def attends(q: Tensor) -> bool:
     return ATTENDS and q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in (32, 64, 128, 256)
 
 
+def serves(logits: Tensor) -> bool:
+    """Whether eaglet::argmax and eaglet::sample serve these logits (fp32 on a CPU with the kernels)."""
+    return ATTENDS and logits.dtype == torch.float32 and logits.device.type == "cpu"
+
+
 def argmax(logits: Tensor) -> Tensor:
-    """torch.argmax(logits, -1), through eaglet::argmax where it serves (fp32 on a CPU with the kernels)."""
-    if ATTENDS and logits.dtype == torch.float32 and logits.device.type == "cpu":
-        return torch.ops.eaglet.argmax(logits)
-    return torch.argmax(logits, dim=-1)
+    """torch.argmax(logits, -1), through eaglet::argmax where it serves."""
+    return torch.ops.eaglet.argmax(logits) if serves(logits) else torch.argmax(logits, dim=-1)
+
+
+def sample(logits: Tensor, temperature: float) -> Tensor:
+    """One draw per row of softmax(logits / temperature) by eaglet::sample (callers ask serves first): sampling.sample's
+    inverse CDF, one float64 uniform a row, the softmax's exponentials in C++ and never a probability tensor."""
+    u = torch.rand(logits.shape[:-1], dtype=torch.float64, device=logits.device)
+    return torch.ops.eaglet.sample(logits, u, 1.0 / temperature)
 
 
 def pack(weight: Tensor) -> Tensor:

@@ -34,6 +34,8 @@ def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0)
     """One token per row of logits: argmax at temperature 0, else a sample of the processed distribution."""
     if temperature == 0:
         return rowsmm.argmax(logits)
+    if not top_k and top_p >= 1.0 and rowsmm.serves(logits):
+        return rowsmm.sample(logits, temperature)
     return sample(logits_to_probs(logits, temperature, top_k, top_p))
 
 

@@ -310,6 +310,42 @@ def test_argmax_is_torch_argmax():
     assert torch.equal(torch.vmap(rowsmm.argmax)(x.view(4, 16, 100)), torch.argmax(x, -1).view(4, 16))
 
 
+def test_sample_is_the_inverse_cdf_draw():
+    """eaglet::sample (a draw at T > 0 on a CPU with the kernels) picks sampling.sample's token for the same uniforms
+    (rounding may move one draw in thousands: at most one), never a -inf token; 200k draws of one row pass a
+    chi-square test against softmax(logits / T) that a wrong temperature fails; compiled and under vmap too."""
+    assert rowsmm.available()
+    torch.manual_seed(0)
+    for shape, n in [((49152,), 0), ((13, 49152), 1), ((3, 5, 17), 1), ((3000, 37), 1)]:
+        logits = torch.randn(shape) * 3
+        logits[..., 5] = float("-inf")
+        u = torch.rand(shape[:-1], dtype=torch.float64)
+        cdf = torch.softmax(logits / 0.7, -1).double().cumsum(-1)
+        want = torch.searchsorted(cdf, (u * cdf[..., -1]).unsqueeze(-1), right=True).squeeze(-1)
+        got = torch.ops.eaglet.sample(logits, u, 1 / 0.7)
+        assert (got != want).sum() <= n and not (got == 5).any(), shape
+    logits = torch.randn(37) * 2
+    logits[3] = float("-inf")
+    expected = torch.softmax(logits.double(), -1) * 200_000
+    live = expected > 5
+
+    def chi2(temperature):
+        draws = rowsmm.sample(logits.expand(200_000, 37).contiguous(), temperature)
+        counts = torch.bincount(draws, minlength=37).double()
+        return (((counts - expected) ** 2)[live] / expected[live]).sum().item(), counts[3].item()
+
+    stat, minus_inf = chi2(1.0)
+    assert stat < 70 and minus_inf == 0  # the 0.999 quantile of chi-square at 34-36 degrees of freedom: 65-67
+    assert chi2(0.9)[0] > 200
+    x = torch.randn(64, 100)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: rowsmm.sample(x * 2, 0.5), fullgraph=True, dynamic=False), x)
+    assert out.shape == (64,) and "eaglet.sample" in code
+    rows = torch.vmap(lambda x: rowsmm.sample(x, 1.0), randomness="different")(x.view(4, 16, 100))
+    assert rows.shape == (4, 16) and ((rows >= 0) & (rows < 100)).all()
+
+
 def test_attend_few_takes_the_kernel_when_compiled():
     """A compiled bf16 pass of up to FUSED_QUERIES queries runs eaglet::attend (one call a layer, no matmul) and agrees
     with the eager attend_few; under vmap (batch.py) it is one call too."""
