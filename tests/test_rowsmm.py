@@ -335,7 +335,7 @@ def test_sample_is_the_inverse_cdf_draw():
         return (((counts - expected) ** 2)[live] / expected[live]).sum().item(), counts[3].item()
 
     stat, minus_inf = chi2(1.0)
-    assert stat < 70 and minus_inf == 0  # the 0.999 quantile of chi-square at 34-36 degrees of freedom: 65-67
+    assert stat < 70 and minus_inf == 0  # the 0.999 quantile of chi-square at 34-36 degrees of freedom: 65.2-68.0
     assert chi2(0.9)[0] > 200
     x = torch.randn(64, 100)
     torch._dynamo.reset()
