@@ -302,6 +302,9 @@ static inline __m512 exp_ps(__m512 x) {
   return _mm512_maskz_mov_ps(~tiny, _mm512_scalef_ps(p, n));
 }
 
+// The first min(16, n) lanes (none for n <= 0): a row's last partial vector.
+static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1) : 0; }
+
 // One draw per row of softmax(logits * inv_t) (fp32 [..., N]; u [...]: a float64 uniform in [0, 1) a row -> int64 [...]),
 // sampling.sample's inverse CDF: the first index whose running sum passes u times the row's total. The exponentials
 // stay in a buffer (a 49152-token row: 192 KB) with a sum per 16, so the walk adds 16 at a time up to the right block.
@@ -325,13 +328,13 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& u, double inv_t) {
       const float* r = xp + m * N;
       __m512 best = _mm512_set1_ps(-INFINITY);
       for (int64_t b = 0; b < NB; b++) {
-        __mmask16 live = N - 16 * b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - 16 * b)) - 1);
+        __mmask16 live = lanes16(N - 16 * b);
         best = _mm512_max_ps(best, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), live, r + 16 * b));
       }
       __m512 top = _mm512_set1_ps(_mm512_reduce_max_ps(best)), scale = _mm512_set1_ps((float)inv_t);
       double total = 0;
       for (int64_t b = 0; b < NB; b++) {
-        __mmask16 live = N - 16 * b >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (N - 16 * b)) - 1);
+        __mmask16 live = lanes16(N - 16 * b);
         __m512 v = _mm512_mask_loadu_ps(top, live, r + 16 * b);
         __m512 ev = _mm512_maskz_mov_ps(live, exp_ps(_mm512_mul_ps(_mm512_sub_ps(v, top), scale)));
         _mm512_storeu_ps(e.data() + 16 * b, ev);
@@ -442,7 +445,7 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
     if (mx == -INFINITY) mx = 0;  // a row that may read nothing: zeros, not NaN
     __m512 sum = _mm512_setzero_ps();
     for (int64_t s = 0; s < total; s += 16) {
-      __mmask16 live = total - s >= 16 ? (__mmask16)0xFFFF : (__mmask16)((1u << (total - s)) - 1);
+      __mmask16 live = lanes16(total - s);
       __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + s), _mm512_set1_ps(mx))));
       sum = _mm512_add_ps(sum, e);
       _mm512_storeu_ps(sc + s, e);
@@ -580,7 +583,7 @@ static void attend_tiles(const Attend& a, int64_t r0, int R, bool fresh) {
     __m512 sum = _mm512_setzero_ps();
     at::BFloat16* pr = probs.data() + i * tpad;
     for (int64_t s = 0; s < tpad; s += 16) {
-      __mmask16 live = total - s >= 16 ? (__mmask16)0xFFFF : total > s ? (__mmask16)((1u << (total - s)) - 1) : 0;
+      __mmask16 live = lanes16(total - s);
       __m512 e = _mm512_maskz_mov_ps(live, exp_ps(_mm512_sub_ps(_mm512_maskz_loadu_ps(live, sc + s), _mm512_set1_ps(mx))));
       sum = _mm512_add_ps(sum, e);
       store16(pr + s, e);
