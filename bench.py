@@ -123,7 +123,8 @@ def mode_options(a, mode: str) -> dict:
     length to sps and lookup."""
     options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
     if mode == "eagle2":
-        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots)
+        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens,
+                       lookup_slots=sizing.cli_lookup_slots(a.lookup_slots, a.temperature))
     if mode in CHAINS:
         options.update(speculate_k=a.speculate_k)
     return options
@@ -427,7 +428,7 @@ def main(argv=None) -> int:
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)
     p.add_argument("--speculate-k", type=int, default=None)
-    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: tree nodes filled from the prompt lookup match (default: min(3, depth), none in a batch; 0: none)")
+    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: tree nodes filled from the prompt lookup match (default: min(3, depth) at T=0; none when sampling or in a batch; 0: none)")
     p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",

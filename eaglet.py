@@ -44,7 +44,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     compile: False, True or "packed", "max", "auto" (a CPU's faster of the two, measured: compiling.choose).
     depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
     lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (dead when the text has none; default
-    min(3, depth), 0 turns them off);
+    min(3, depth); 0 turns them off, as the CLIs do when sampling: sizing.cli_lookup_slots);
     speculate_k: the sps / lookup chain; draft_vocab: draft over the head's N most frequent tokens (0: all of the
     target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
     (bench.py runs every mode on one). batch: the prompts generate_batch will answer at once; an eagle2 tree left open

@@ -8,6 +8,7 @@ from pathlib import Path
 
 import torch
 
+import sizing
 import tp
 from checkpoint import UsageError, UsageParser
 from compiling import COMPILE_CHOICES
@@ -40,7 +41,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--depth", type=int, default=None, help="eagle2: draft levels (default: sized for the device)")
     p.add_argument("--topk", type=int, default=None, help="eagle2: nodes expanded per level, children per node (default: sized for the device)")
     p.add_argument("--num-draft-tokens", type=int, default=None, help="eagle2: m, tree nodes verified besides the root (default: sized for the device)")
-    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth), none in a batch; 0: none)")
+    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth) at T=0; none when sampling or in a batch; 0: none)")
     p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
     p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -134,7 +135,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--batch-size must be >= 0, got {a.batch_size}")
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots,
+                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=sizing.cli_lookup_slots(a.lookup_slots, a.temperature),
                                         batch=min(a.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
@@ -148,9 +149,8 @@ def main(argv=None) -> int:
         prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": q}], chat_template) for q in questions or [DEFAULT_PROMPT]]
         if len(prompts) > 1:
             return answer_batch(gen, tokenizer, prompts, a, sampling, quiet)
-        prompt = prompts[0]
         stream, _ = streamer(tokenizer, margs.stop_tokens, show=not a.json and not quiet)
-        result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream)
+        result = gen.generate(prompts[0], a.max_new_tokens, sampling, margs.stop_tokens, stream)
     except UsageError as e:
         if not quiet:
             print(f"error: {e}", file=sys.stderr)

@@ -46,6 +46,12 @@ def lookup_slots(depth: int, given=None, batch: int = 1) -> int:
     return given if given is not None else min(LOOKUP_SLOTS, depth) if batch == 1 else 0
 
 
+def cli_lookup_slots(given, temperature: float):
+    """The CLIs' --lookup-slots: as given, else lookup_slots' default at T=0 and none when sampling: at T=1 on 12 MT-bench
+    turns they added no τ (1.60 with 3, 1.59 without, BENCHMARKS.md) for 3 more verified rows a cycle."""
+    return given if given is not None or temperature == 0 else 0
+
+
 def verify_cost(costs: dict, T: int) -> float:
     """r(T), linear between the measured T (past the last, at the last segment's slope)."""
     points = sorted((int(t), r) for t, r in costs["verify"].items())
