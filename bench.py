@@ -123,8 +123,7 @@ def mode_options(a, mode: str) -> dict:
     length to sps and lookup."""
     options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
     if mode == "eagle2":
-        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens,
-                       lookup_slots=sizing.cli_lookup_slots(a.lookup_slots, a.temperature))
+        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots)
     if mode in CHAINS:
         options.update(speculate_k=a.speculate_k)
     return options
@@ -449,6 +448,7 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
+        a.lookup_slots = sizing.cli_lookup_slots(a.lookup_slots, a.temperature)  # every tree of the run, --sweep's too
         if not a.random_shape and not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
         if a.sweep < 0:

@@ -177,25 +177,26 @@ def test_compiled_sizing_of_a_quantised_target(tmp_path, monkeypatch, tiny_args,
 
 
 def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
-    """generate.py and bench.py give an eagle2 tree no lookup slots at T > 0 unless asked (at T=1 they added no τ), and
-    sizing's default (None: min(3, depth)) at T=0."""
-    import argparse
-
+    """generate.py and bench.py (every tree of a run, --sweep's too) give an eagle2 tree no lookup slots at T > 0 unless
+    asked (at T=1 they added no τ), and sizing's default (None: min(3, depth)) at T=0."""
     import bench
     import generate
     from checkpoint import UsageError
 
-    seen = []
+    seen, benched = [], []
 
     def load_generator(*args, **kw):
         seen.append(kw["lookup_slots"])
         raise UsageError("stop here")
 
+    def run(a):
+        benched.append((a.lookup_slots, bench.mode_options(a, "eagle2")["lookup_slots"]))
+        raise UsageError("stop here")
+
     monkeypatch.setattr(generate, "load_generator", load_generator)
-    flags = dict(device=None, dtype=None, compile=False, draft_vocab=None, draft_checkpoint=None, depth=None, topk=None,
-                 num_draft_tokens=None, speculate_k=None)
-    for argv, temperature, given, want in (([], 0.0, None, None), (["--temperature", "1"], 1.0, None, 0),
-                                           (["--temperature", "0.7", "--lookup-slots", "2"], 0.7, 2, 2)):
+    monkeypatch.setattr(bench, "bench", run)
+    monkeypatch.setattr(bench, "sweep", run)
+    for argv, want in (([], None), (["--temperature", "1"], 0), (["--temperature", "0.7", "--lookup-slots", "2"], 2)):
         assert generate.main(["--speculate", "eagle2", *argv]) == 2 and seen[-1] == want
-        a = argparse.Namespace(**flags, temperature=temperature, lookup_slots=given)
-        assert bench.mode_options(a, "eagle2")["lookup_slots"] == want
+        for sweep in ([], ["--sweep", "2"]):
+            assert bench.main(["--modes", "eagle2", *sweep, *argv]) == 2 and benched[-1] == (want, want)
