@@ -123,7 +123,7 @@ def mode_options(a, mode: str) -> dict:
     length to sps and lookup."""
     options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
     if mode == "eagle2":
-        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots)
+        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots, sampling=a.temperature > 0)
     if mode in CHAINS:
         options.update(speculate_k=a.speculate_k)
     return options
@@ -306,7 +306,8 @@ def sweep(a) -> dict:
     a.compile = choose(a.compile, target)
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
                                 compile_fn=sizing_compile(target, head, a.compile) if a.compile else None)
-    options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots)[: a.sweep]
+    sampled = a.temperature > 0  # its own tree: sampling accepts less deep in a tree
+    options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots, sampling=sampled)[: a.sweep]
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
     entries = [("none", Generator(target, compile=a.compile), 0, None)]
@@ -315,9 +316,9 @@ def sweep(a) -> dict:
         entries.append((f"eagle2 {m} {depth} {k}", Generator(target, spec, head, compile=a.compile), 0, None))
     rows = list(timed_rows(entries, tokenizer, margs, conversations, a, sampling)[0].values())
     for row, (m, depth, k) in zip(rows[1:], options):
-        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
+        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k, sizing.rank_accept(sampled)) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
-    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile)
+    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile, sampled)
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     modes = {"none": rows[0]} | {_shape(r["spec"]): r for r in rows[1:]}
@@ -431,7 +432,7 @@ def main(argv=None) -> int:
     p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
-                   help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default")
+                   help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default (for sampling with --temperature > 0)")
     p.add_argument("--random-shape", choices=sorted(SHAPES), default=None,
                    help="time the decode step and an eagle2 cycle on random weights of this shape (no checkpoint)")
     p.add_argument("--quantize", default=None, metavar="int8,int4",
@@ -448,7 +449,7 @@ def main(argv=None) -> int:
     p.add_argument("--json-out", type=Path, default=None)
     try:
         a = p.parse_args(argv)
-        a.lookup_slots = sizing.cli_lookup_slots(a.lookup_slots, a.temperature)  # every tree of the run, --sweep's too
+        a.lookup_slots = sizing.asked_lookup_slots(a.lookup_slots, a.temperature > 0)  # every tree of the run, --sweep's too
         if not a.random_shape and not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
         if a.sweep < 0:

@@ -35,7 +35,7 @@ log_stderr = functools.partial(print, file=sys.stderr)
 
 def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile=False,
                    depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, draft_checkpoint=None,
-                   lookup_slots=None, target: Optional[Transformer] = None, batch: int = 1, log=log_stderr) -> tuple:
+                   lookup_slots=None, target: Optional[Transformer] = None, batch: int = 1, sampling=False, log=log_stderr) -> tuple:
     """-> (Generator, tokenizer). Raises UsageError on bad input.
 
     checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
@@ -44,11 +44,11 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     compile: False, True or "packed", "max", "auto" (a CPU's faster of the two, measured: compiling.choose).
     depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
     lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (dead when the text has none; default
-    min(3, depth); 0 turns them off, as the CLIs do when sampling: sizing.cli_lookup_slots);
+    min(3, depth) when greedy, none when sampling; 0 turns them off);
     speculate_k: the sps / lookup chain; draft_vocab: draft over the head's N most frequent tokens (0: all of the
     target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
     (bench.py runs every mode on one). batch: the prompts generate_batch will answer at once; an eagle2 tree left open
-    is sized for that many sequences (smaller, without lookup slots unless given)."""
+    is sized for that many sequences (smaller, without lookup slots unless given); sampling: for T > 0 (shallower)."""
     check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab, lookup_slots)
     default = checkpoint is None
     try:
@@ -66,7 +66,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     if speculate == "sps" and draft_checkpoint is None:
         raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
     draft_model = load_draft_model(draft_checkpoint, target) if speculate == "sps" else None
-    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch)
+    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch, sampling)
     tokenizer = load_tokenizer(checkpoint)
     return Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer), tokenizer
 
@@ -113,7 +113,7 @@ def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0)
 
 
 def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
-              speculate_k=None, compile=False, log=log_stderr, lookup_slots=None, batch: int = 1) -> Optional[TreeSpec]:
+              speculate_k=None, compile=False, log=log_stderr, lookup_slots=None, batch: int = 1, sampling: bool = False) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what is left open is sized for this device and batch size: sizing.measure_tree
     times the target and head once (compiled when the cycle will be) and caches the result."""
     if speculate == "none":
@@ -127,13 +127,14 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
     if speculate == "eagle":
         return TreeSpec.static()
     m, depth, k = num_draft_tokens, depth, topk
+    lookup_slots = sizing.asked_lookup_slots(lookup_slots, sampling)
     if m and depth and k:
         if m > k + (depth - 1) * k * k:
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
             m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head, compile) if compile else None,
-                                              lookup=lookup_slots, batch=batch)
+                                              lookup=lookup_slots, batch=batch, sampling=sampling)
         except ValueError as e:
             raise UsageError(str(e)) from None
     lookup_slots = sizing.lookup_slots(depth, lookup_slots, batch)

@@ -8,7 +8,6 @@ from pathlib import Path
 
 import torch
 
-import sizing
 import tp
 from checkpoint import UsageError, UsageParser
 from compiling import COMPILE_CHOICES
@@ -135,7 +134,7 @@ def main(argv=None) -> int:
             raise UsageError(f"--batch-size must be >= 0, got {a.batch_size}")
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=sizing.cli_lookup_slots(a.lookup_slots, a.temperature),
+                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots, sampling=a.temperature > 0,
                                         batch=min(a.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)

@@ -23,7 +23,15 @@ DEPTH_CHOICES = (2, 3, 4, 5, 6)
 TOPK_CHOICES = (4, 10)
 LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
 RANK_ACCEPT = 0.6  # a: about our SmolLM2 head's depth-1 acceptance; the paper's 7B heads reach 0.8
+# a when sampling: head 8's depth-1 acceptance at T=1 (0.43 at m8 d3 k4, 0.48 at m8 d2 k10). Sampled text accepts far
+# less below the first level, so shallow trees win there (T=1 on the AMX Xeon, rows taking turns: m8 d2 k10 1.20x against
+# m8 d3 k4 1.09x; m12 d2 k10 1.13x against m8 d2 k4 1.05x in a slower run; BENCHMARKS.md).
+RANK_ACCEPT_SAMPLING = 0.45
 CONTEXT = 256  # position the costs are measured at
+
+
+def rank_accept(sampling: bool) -> float:
+    return RANK_ACCEPT_SAMPLING if sampling else RANK_ACCEPT
 
 
 def expected_tau(m: int, depth: int, k: int, a: float = RANK_ACCEPT) -> float:
@@ -46,10 +54,10 @@ def lookup_slots(depth: int, given=None, batch: int = 1) -> int:
     return given if given is not None else min(LOOKUP_SLOTS, depth) if batch == 1 else 0
 
 
-def cli_lookup_slots(given, temperature: float):
-    """The CLIs' --lookup-slots: as given, else lookup_slots' default at T=0 and none when sampling: at T=1 on 12 MT-bench
-    turns they added no τ (1.60 with 3, 1.59 without, BENCHMARKS.md) for 3 more verified rows a cycle."""
-    return given if given is not None or temperature == 0 else 0
+def asked_lookup_slots(given, sampling: bool):
+    """The lookup slots asked for: as given, else lookup_slots' default (None) for greedy decoding and none when sampling:
+    at T=1 on 12 MT-bench turns they added no τ (1.60 with 3, 1.59 without, BENCHMARKS.md) for 3 more verified rows a cycle."""
+    return given if given is not None or not sampling else 0
 
 
 def verify_cost(costs: dict, T: int) -> float:
@@ -73,10 +81,12 @@ def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int 
     return cycle / (1.0 if batch == 1 else verify_cost(costs, batch))
 
 
-def ranked_trees(costs: dict, m=None, depth=None, k=None, a: float = RANK_ACCEPT, lookup=None, batch: int = 1) -> list:
+def ranked_trees(costs: dict, m=None, depth=None, k=None, a=None, lookup=None, batch: int = 1, sampling: bool = False) -> list:
     """(m, depth, k) options, keeping any that are given, best first by expected tokens per decode step of
     time; m never exceeds the pool of k + (depth-1) k^2 candidates. lookup: the trees' lookup slots (None: lookup_slots');
-    batch: the sequences a cycle runs at once (generate_batch), each with its own tree, against a step of that many rows."""
+    batch: the sequences a cycle runs at once (generate_batch), each with its own tree, against a step of that many rows;
+    a: the prior (None: RANK_ACCEPT, or RANK_ACCEPT_SAMPLING when sampling)."""
+    a = a or rank_accept(sampling)
     grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_CHOICES)
     options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup, batch) <= d]
     if not options:
@@ -218,16 +228,22 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
     return entry
 
 
-def record_sweep(target, head, best: tuple, compiled=False):
-    """bench.py --sweep's measured winner, which then replaces the cost model's choice."""
+def swept_key(sampling: bool) -> str:
+    return "swept sampling" if sampling else "swept"  # greedy decoding and sampling each get their own tree
+
+
+def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False):
+    """bench.py --sweep's measured winner, which then replaces the cost model's choice (for sampling if it sampled)."""
     key = cache_key(target, head, compiled)
-    cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {"swept": list(best)})
+    cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {swept_key(sampling): list(best)})
 
 
-def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1) -> tuple:
-    """(m, depth, k) for this device and batch size: a --sweep result (one sequence) if there is one and nothing is given,
-    else the cost model's best around whatever is given. Times the device the first time (device_costs), then reads the cache."""
+def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1,
+                 sampling: bool = False) -> tuple:
+    """(m, depth, k) for this device, batch size and kind of decoding: a --sweep result (one sequence, greedy or sampling)
+    if there is one and nothing is given, else the cost model's best around whatever is given. Times the device the first
+    time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
-    if "swept" in costs and not (m or depth or k) and batch == 1:
-        return tuple(costs["swept"])
-    return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch)[0]
+    if swept_key(sampling) in costs and not (m or depth or k) and batch == 1:
+        return tuple(costs[swept_key(sampling)])
+    return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling)[0]

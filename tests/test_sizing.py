@@ -95,6 +95,9 @@ def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tin
     assert sizing.measure_tree(target, head, depth=2)[1] == 2
     sizing.record_sweep(target, head, (4, 2, 4))
     assert sizing.measure_tree(target, head) == (4, 2, 4)
+    assert sizing.measure_tree(target, head, sampling=True) != (2, 2, 10)
+    sizing.record_sweep(target, head, (2, 2, 10), sampling=True)  # a sweep at T > 0 keeps the greedy one
+    assert sizing.measure_tree(target, head, sampling=True) == (2, 2, 10) and sizing.measure_tree(target, head) == (4, 2, 4)
     # The sized tree runs: a generator built from it reproduces vanilla decoding.
     m, depth, k = first
     prompt = list(range(5))
@@ -176,21 +179,50 @@ def test_compiled_sizing_of_a_quantised_target(tmp_path, monkeypatch, tiny_args,
     assert entry["decode_ms"] > 0 and all(r > 0 for r in [*entry["verify"].values(), *entry["level"].values()])
 
 
+# The AMX Xeon's compiled costs (session 48's tree_sizes.json), where the sweeps picked m8 d3 k4 greedy, m8 d2 k10 at T=1.
+AMX = {"verify": {"3": 1.198, "5": 1.222, "7": 1.295, "9": 1.329, "13": 1.46, "17": 2.085, "25": 2.439, "33": 2.601,
+                  "49": 3.063, "61": 3.629}, "level": {"4": 0.103, "10": 0.118}}
+
+
+def test_sampling_gets_a_shallower_tree_of_its_own_and_no_lookup_slots(tiny_args, random_model, random_head, monkeypatch):
+    """Sampled text accepts less below a tree's first level (head 8 at T=1: 0.43 0.30 0.24 against 0.6 and more greedy), so
+    load_generator(sampling=True) (generate.py and bench.py at T > 0) sizes its tree with the sampling prior, or takes a
+    sweep run at T > 0, never the greedy sweep's tree; and its lookup slots are none unless asked."""
+    greedy, sampled = sizing.ranked_trees(AMX, lookup=0)[0], sizing.ranked_trees(AMX, lookup=0, sampling=True)[0]
+    assert greedy[1] == 3 and sampled[1] == 2
+    costs = dict(AMX)
+    monkeypatch.setattr(sizing, "device_costs", lambda *a, **kw: costs)
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+
+    def tree(**kw):
+        spec = tree_spec("eagle2", target, head, **kw)
+        return spec.num_draft_tokens, spec.depth, spec.topk, spec.lookup_slots
+
+    assert tree(sampling=True) == (*sampled, 0) and tree(lookup_slots=0) == (*greedy, 0) and tree()[3] > 0
+    costs["swept"] = [8, 3, 4]
+    assert tree(sampling=True) == (*sampled, 0) and tree() == (8, 3, 4, 3)
+    costs["swept sampling"] = [8, 2, 10]
+    assert tree(sampling=True) == (8, 2, 10, 0) and tree(sampling=True, lookup_slots=2) == (8, 2, 10, 2) and tree() == (8, 3, 4, 3)
+
+
 def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
-    """generate.py and bench.py (every tree of a run, --sweep's too) give an eagle2 tree no lookup slots at T > 0 unless
-    asked (at T=1 they added no τ), and sizing's default (None: min(3, depth)) at T=0."""
+    """generate.py and bench.py (every tree of a run, --sweep's too) size an eagle2 tree for sampling at T > 0, without
+    lookup slots unless asked (at T=1 they added no τ), and with sizing's default (None: min(3, depth)) at T=0."""
     import bench
     import generate
     from checkpoint import UsageError
+    from eaglet import check_options
 
     seen, benched = [], []
 
-    def load_generator(*args, **kw):
-        seen.append(kw["lookup_slots"])
+    def load_generator(checkpoint, draft, speculate, **kw):
+        check_options(speculate, lookup_slots=kw["lookup_slots"])  # load_generator's first check
+        seen.append(sizing.asked_lookup_slots(kw["lookup_slots"], kw["sampling"]))
         raise UsageError("stop here")
 
     def run(a):
-        benched.append((a.lookup_slots, bench.mode_options(a, "eagle2")["lookup_slots"]))
+        options = bench.mode_options(a, "eagle2")
+        benched.append((a.lookup_slots, sizing.asked_lookup_slots(options["lookup_slots"], options["sampling"])))
         raise UsageError("stop here")
 
     monkeypatch.setattr(generate, "load_generator", load_generator)
@@ -200,3 +232,6 @@ def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
         assert generate.main(["--speculate", "eagle2", *argv]) == 2 and seen[-1] == want
         for sweep in ([], ["--sweep", "2"]):
             assert bench.main(["--modes", "eagle2", *sweep, *argv]) == 2 and benched[-1] == (want, want)
+    for mode in ("none", "lookup", "sps", "eagle"):  # the other modes sample too (dac93aa gave them lookup slots 0: exit 2)
+        before = len(seen)
+        assert generate.main(["--speculate", mode, "--temperature", "1"]) == 2 and len(seen) == before + 1
