@@ -21,6 +21,10 @@ from quant import KERNEL_MAX_ROWS, QuantLinear, packed_kernel
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
 TOPK_CHOICES = (4, 10)
+# Sampling drafts 10 children a node (the paper's k): the prior values a node's 5th child alike at k 4 and 10, but a sampled
+# token spreads over the head's ranks and the dynamic tree widens its first level when the head is unsure. On the AMX
+# Xeon at T=1 k 10 beat k 4 in 5 of 6 pairs of trees, all 4 at depth 2 (m8 d2: 1.20x against 1.09x); at T=0 it lost both.
+TOPK_SAMPLING = (10,)
 LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
 RANK_ACCEPT = 0.6  # a: about our SmolLM2 head's depth-1 acceptance; the paper's 7B heads reach 0.8
 # a when sampling: head 8's depth-1 acceptance at T=1 (0.43 at m8 d3 k4, 0.48 at m8 d2 k10). Sampled text accepts far
@@ -85,9 +89,9 @@ def ranked_trees(costs: dict, m=None, depth=None, k=None, a=None, lookup=None, b
     """(m, depth, k) options, keeping any that are given, best first by expected tokens per decode step of
     time; m never exceeds the pool of k + (depth-1) k^2 candidates. lookup: the trees' lookup slots (None: lookup_slots');
     batch: the sequences a cycle runs at once (generate_batch), each with its own tree, against a step of that many rows;
-    a: the prior (None: RANK_ACCEPT, or RANK_ACCEPT_SAMPLING when sampling)."""
+    a: the prior (None: RANK_ACCEPT; when sampling RANK_ACCEPT_SAMPLING, and k from TOPK_SAMPLING)."""
     a = a or rank_accept(sampling)
-    grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_CHOICES)
+    grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_SAMPLING if sampling else TOPK_CHOICES)
     options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup, batch) <= d]
     if not options:
         if lookup is not None and lookup > (depth or max(DEPTH_CHOICES)):
