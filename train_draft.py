@@ -383,7 +383,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
 HELP = {
     "checkpoint": "converted target dir (default: the embedded SmolLM2-135M-Instruct)",
     "out": "head/, train_state.pt (and the data, without --data-dir)",
-    "data_dir": "requests, conversations and feature shards (several runs may share one); default: --out",
+    "data_dir": "requests, conversations and feature shards (several runs may share one); default: --out. With "
+                "--train-only, several directories joined by os.pathsep (':'), e.g. two data jobs run side by side",
     "prompts": "jsonl of requests ('prompt' or 'turns'); default: the target writes them",
     "holdout": "MT-bench-format jsonl whose questions self-written requests must not match (default: data/mt_bench.jsonl)",
     "gen_batch": "rows generated at once",
@@ -449,8 +450,27 @@ def check_config(cfg: TrainConfig):
         raise UsageError("need 0 <= --greedy-fraction <= 1, 0 < --top-p <= 1 and --temperature > 0")
 
 
+def data_dirs(cfg: TrainConfig) -> list:
+    """--data-dir, or with --train-only several joined as PATH is: one data job per core writes its own directory
+    (a directory takes one writer), and training reads them all."""
+    dirs = [Path(d).expanduser() for d in str(cfg.data).split(os.pathsep) if d]  # the shell expands only the first ~
+    if len(dirs) > 1 and not cfg.train_only:
+        raise UsageError(f"--data-dir lists {len(dirs)} directories: only --train-only reads more than one")
+    for d in dirs if cfg.train_only else []:
+        if not d.is_dir():
+            raise UsageError(f"--data-dir: {d} is not a directory")
+    return dirs
+
+
+def featurised_convs(data: Path) -> list:
+    """The conversations in `data` whose features a shard holds."""
+    done = distill.featurised_ids(data)
+    return [c for c in distill.read_jsonl(data / "conversations.jsonl") if c["id"] in done]
+
+
 def run(cfg: TrainConfig) -> int:
     check_config(cfg)
+    dirs = data_dirs(cfg)
     device = cfg.device or dtypes.default_device()
     dtype = getattr(torch, cfg.dtype) if cfg.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
     torch.set_float32_matmul_precision("high")  # TF32 for the head's fp32 matmuls on GPUs that have it
@@ -464,8 +484,7 @@ def run(cfg: TrainConfig) -> int:
     if cfg.train_only and cfg.data_only:
         raise UsageError("--train-only and --data-only exclude each other")
     if cfg.train_only:
-        done = distill.featurised_ids(cfg.data)
-        convs, complete = [c for c in distill.read_jsonl(cfg.data / "conversations.jsonl") if c["id"] in done], True
+        convs, complete = [c for d in dirs for c in featurised_convs(d)], True
     else:
         convs, complete = distill.build(cfg, target, tokenizer, deadline)
     if not complete:
@@ -483,7 +502,8 @@ def run(cfg: TrainConfig) -> int:
         draft_vocab = count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
     else:
         draft_vocab = torch.zeros(0, dtype=torch.long)
-    train(cfg, target, distill.load_records(cfg.data, keys=("hidden", "fused") if cfg.arch == "eagle3" else ("hidden",)), draft_vocab, deadline)
+    keys = ("hidden", "fused") if cfg.arch == "eagle3" else ("hidden",)
+    train(cfg, target, [r for d in dirs for r in distill.load_records(d, keys)], draft_vocab, deadline)
     print(f"wrote {cfg.out / 'head'}", file=sys.stderr)
     return 0
 

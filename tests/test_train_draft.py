@@ -1,6 +1,8 @@
 # train_draft.py end to end on a tiny random chatml target: self-written data, loss going down, --resume,
 # and a head that loads, stays lossless under eagle2 and beats an untrained head on acceptance.
 import json
+import os
+import shutil
 from pathlib import Path
 
 import pytest
@@ -98,6 +100,22 @@ def test_train_only_uses_the_featurised_data_and_writes_none(trained, tmp_path):
     assert after == before and len((out / "conversations.jsonl").read_text().splitlines()) == 6
     assert len((tmp_path / "train_log.jsonl").read_text().splitlines()) == STEPS_PER_EPOCH
     assert train_draft.main([*argv, "--train-only", "--data-only"]) == 2
+
+
+def test_train_only_reads_every_data_dir_listed(trained, tmp_path, capsys):
+    # two data jobs side by side each write their own directory; training reads both, joined as PATH is
+    ckpt, out, *_ = trained
+    other = tmp_path / "other"
+    shutil.copytree(out / "features", other / "features")
+    shutil.copy(out / "conversations.jsonl", other)
+    argv = ["--checkpoint", str(ckpt), "--out", str(tmp_path / "run"), *TRAIN_ARGS, "--epochs", "1"]
+    assert train_draft.main([*argv, "--data-dir", f"{out}{os.pathsep}{other}", "--train-only"]) == 0
+    assert len((tmp_path / "run" / "train_log.jsonl").read_text().splitlines()) == 2 * STEPS_PER_EPOCH
+    capsys.readouterr()
+    for data_dir, flags in [(f"{out}{os.pathsep}{other}", []), (f"{out}{os.pathsep}{tmp_path / 'none'}", ["--train-only"])]:
+        assert train_draft.main([*argv, "--data-dir", data_dir, *flags]) == 2  # one writer a directory; no such directory
+        err = capsys.readouterr().err.strip().splitlines()
+        assert len(err) == 1 and err[0].startswith("error: --data-dir"), err
 
 
 def test_head_is_lossless_and_accepts(trained):
