@@ -11,6 +11,7 @@ from pathlib import Path
 
 import torch
 import torch.nn as nn
+import torch.nn.functional as F
 from torch import Tensor
 
 import quant
@@ -28,9 +29,15 @@ class DraftHead(nn.Module):
         self.args = args
         self.max_seq_length = 0
         self.taps = ()  # EAGLE-3: the target layers whose inputs the head reads (target.taps)
+        self.token_table = None
         # Target ids the head may propose (empty: all). Each draft level reads its LM head: 16k of 49k rows, a third
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"),
                              persistent=draft_vocab_size > 0)  # off the meta device: a checkpoint without one never fills it
+
+    def embed(self, tokens: Tensor, embedding: Tensor) -> Tensor:
+        """The target's embedding rows (shared, never copied), plus the head's own learned row if it has a token table."""
+        emb = F.embedding(tokens, embedding)
+        return emb if self.token_table is None else emb + self.token_table[self.token_row[tokens]].to(emb.dtype)
 
     def setup_caches(self, max_seq_length: int, dtype=None):
         norm = self.layers[0].ffn_norm.weight  # norms stay float in quantised heads
@@ -51,9 +58,16 @@ class DraftHead(nn.Module):
 class EagleHead(DraftHead):
     kind = "eagle"
 
-    def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0):
+    def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0, token_table: bool = False):
         super().__init__(args, draft_vocab_size)
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
+        # A learned input row per draft-vocabulary token (the last: every other one), added to its embedding: what follows
+        # a token ("trud": "ged") is lexical knowledge one layer over a frozen embedding learns slowly. A lookup: no draft time.
+        rows = draft_vocab_size or args.vocab_size  # without a draft vocabulary, one per token id
+        self.token_table = nn.Parameter(torch.zeros(rows + 1, args.dim)) if token_table else None
+        if token_table:  # target id -> row
+            row = torch.full((args.vocab_size,), rows) if draft_vocab_size else torch.arange(rows)
+            self.register_buffer("token_row", row.int())
         # The official heads have one layer (n_layer 1); the official code norms the input of any later one.
         self.layers = nn.ModuleList([TransformerBlock(args, input_norm=i > 0) for i in range(max(1, args.n_layer))])
         self.lm_head = None  # set by use_draft_vocab: the target's LM head rows for draft_vocab
@@ -62,9 +76,10 @@ class EagleHead(DraftHead):
         """Draft logits over the draft vocabulary (the target's LM head when there is none)."""
         return target_output(h) if self.lm_head is None else self.lm_head(h)
 
-    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
-        """emb, feature [B, T, dim] -> predicted next features [B, T, dim] (pre LM head, no norm). attention: one
-        per layer, or None (see Eagle3Block)."""
+    def forward(self, tokens: Tensor, embedding: Tensor, feature: Tensor, input_pos, cache_pos, mask, attention=None) -> Tensor:
+        """tokens [B, T] (target ids; embedding: the target's weight), feature [B, T, dim] -> predicted next features
+        [B, T, dim] (pre LM head, no norm). attention: one per layer, or None (see Eagle3Block)."""
+        emb = self.embed(tokens, embedding)
         x = self.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
         rope = rope_at(self.rope, input_pos, x.shape[0])
         for i, layer in enumerate(self.layers):
@@ -105,9 +120,10 @@ class Eagle3Head(DraftHead):
         """Draft logits over the head's own vocabulary (draft ids; target_ids maps them)."""
         return self.lm_head(self.norm(h))
 
-    def forward(self, emb: Tensor, feature: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
-        """emb [B, T, dim]; feature [B, T, taps * dim] (the target's fused states) or [B, T, dim] (the head's
-        own output one level up, which skips fc) -> the layer's output [B, T, dim], before the final norm."""
+    def forward(self, tokens: Tensor, embedding: Tensor, feature: Tensor, input_pos, cache_pos, mask, attention=None) -> Tensor:
+        """tokens [B, T] (embedding: the target's weight); feature [B, T, taps * dim] (the target's fused states) or [B, T,
+        dim] (the head's own output one level up, which skips fc) -> the layer's output [B, T, dim], before the final norm."""
+        emb = self.embed(tokens, embedding)
         h = feature.to(emb.dtype)
         if h.shape[-1] != self.args.dim:  # static: the shape decides at trace time
             h = self.fc(h)
@@ -158,7 +174,7 @@ def save_head(head: DraftHead, out_dir):
     if head.taps:
         cfg.update(taps=list(head.taps))
     if head.kind == "eagle":
-        cfg.update(fc_bias=head.fc.bias is not None)
+        cfg.update(fc_bias=head.fc.bias is not None, token_table=head.token_table is not None)
     (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
     own_lm_head = head.kind == "eagle3"  # an EAGLE-1/2 head's rows are the target's, copied at load time
     state = {k: v.contiguous() for k, v in head.state_dict().items() if own_lm_head or not k.startswith("lm_head.")}
@@ -198,7 +214,7 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
         if kind == "eagle3":
             head = Eagle3Head(args, cfg["draft_vocab_size"], taps)
         else:
-            head = EagleHead(args, fc_bias=cfg.get("fc_bias", True), draft_vocab_size=cfg.get("draft_vocab_size", 0))
+            head = EagleHead(args, cfg.get("fc_bias", True), cfg.get("draft_vocab_size", 0), cfg.get("token_table", False))
     quant.prepare(head, cfg)
     try:
         head.load_state_dict(load_state(files[0]), assign=True)

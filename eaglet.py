@@ -352,6 +352,6 @@ class Generator:
         if self.head is not None and T - 1 > start:
             # The draft's context: feature f_j with token x_{j+1}; the last pair waits in pend_*.
             pos = torch.arange(start, T - 1, device=self.device)
-            self.head(self.target.tok_embeddings(prompt[:, start + 1:]), feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
+            self.head(prompt[:, start + 1:], self.target.tok_embeddings.weight, feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
         if self.draft_model is not None and T > 1:
             prefill(self.draft_model, prompt[:, :-1], torch.tensor(0, device=self.device))

@@ -128,7 +128,7 @@ def _target_pass(target, tokens, pos, mask):
 
 
 def _head_level(target, head, tokens, feats, pos, mask):
-    h = head(target.tok_embeddings(tokens)[None], feats, pos, pos, mask)[0]
+    h = head(tokens[None], target.tok_embeddings.weight, feats, pos, pos, mask)[0]
     return torch.topk(torch.log_softmax(head.logits(h, target.output).float(), -1), min(tokens.shape[0], 10))
 
 

@@ -93,7 +93,7 @@ class SpecState(nn.Module):
 
 def head_step(target: Transformer, head: DraftHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
     """The head over n rows of target tokens -> (predicted features [n, dim], draft logits [n, V_draft])."""
-    h = head(target.tok_embeddings(tokens)[None], feats[None], pos, slots, mask)[0]
+    h = head(tokens[None], target.tok_embeddings.weight, feats[None], pos, slots, mask)[0]
     return h, head.logits(h, target.output)
 
 
@@ -103,7 +103,7 @@ def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
     rows = torch.arange(spec.depth + 1, device=st.L.device)
     slots = st.L - st.n_pend + rows  # rows past n_pend are padding, written past L and never read
     mask = causal_mask(slots, head.max_seq_length)
-    h = head(target.tok_embeddings(st.pend_tok)[None], st.pend_feat[None], slots, slots, mask)[0]
+    h = head(st.pend_tok[None], target.tok_embeddings.weight, st.pend_feat[None], slots, slots, mask)[0]
     return h.index_select(0, st.n_pend.view(1) - 1)[0]  # a tensor index keeps the graph free of syncs
 
 

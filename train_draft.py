@@ -67,6 +67,8 @@ class TrainConfig(DataConfig):  # the data fields (requests, answers, features) 
     dtype: Optional[str] = None  # the target's; the head trains in float32
     arch: str = "eagle"  # eagle (EAGLE-1/2) | eagle3
     head_layers: int = 1  # decoder layers of an EAGLE-1/2 head (the official heads have one)
+    token_table: bool = False  # an EAGLE-1/2 head learns an input vector per draft-vocabulary token (draft.EagleHead)
+    table_lr_scale: float = 10.0  # the token table's learning rate over --lr
     ttt_steps: int = 0  # draft steps unrolled in training (0: the arch's default, eagle 1, eagle3 7; 1: no training-time test)
     ttt_decay: float = 0.8  # step i's loss weight is decay^i
     autocast: str = "auto"  # bf16 autocast: auto (where the device has native bf16 matmul) | on | off
@@ -83,7 +85,7 @@ def count_draft_vocab(convs: list, size: int, vocab_size: int) -> Tensor:
     return torch.tensor((seen + [t for _, t in zip(range(size - len(seen)), unseen)])[:size], dtype=torch.long)
 
 
-def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle", layers: int = 1):
+def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle", layers: int = 1, token_table: bool = False):
     device, args = target.tok_embeddings.weight.device, replace(target.args, n_layer=layers if arch == "eagle" else 1)
     if arch == "eagle3":
         draft_vocab = draft_vocab if len(draft_vocab) else torch.arange(target.args.vocab_size)
@@ -92,7 +94,9 @@ def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str =
             head.norm.weight.copy_(target.norm.weight)
             head.lm_head.weight.copy_(target.output.weight[draft_vocab.to(device)])
     else:
-        head = EagleHead(args, fc_bias=True, draft_vocab_size=len(draft_vocab)).to(device)
+        head = EagleHead(args, fc_bias=True, draft_vocab_size=len(draft_vocab), token_table=token_table).to(device)
+        if token_table and len(draft_vocab):
+            head.token_row[draft_vocab.to(device)] = torch.arange(len(draft_vocab), dtype=torch.int32, device=device)
         with torch.no_grad():  # layers past the first start as the identity, so an --init head keeps its drafts
             for layer in head.layers[1:]:
                 layer.attention.wo.weight.zero_()
@@ -250,7 +254,7 @@ def unrolled_steps(head: EagleHead, embed: Tensor, tokens: Tensor, feature: Tens
     if scale is not None:
         h = h * scale.to(embed.dtype)
     for i in range(steps):
-        h = head(F.embedding(tokens[:, 1 + i:1 + i + T], embed), h, slot + i, None, None, attention)
+        h = head(tokens[:, 1 + i:1 + i + T], embed, h, slot + i, None, None, attention)
         yield h
 
 
@@ -299,7 +303,7 @@ def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
 def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
     """Returns the step reached. Appends one line per step to --out/train_log.jsonl. data: records
     {tokens, prompt_len, hidden, fused (eagle3)}, as distill.load_records returns them."""
-    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch, cfg.head_layers)
+    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch, cfg.head_layers, cfg.token_table)
     device = target.tok_embeddings.weight.device
     own = head.state_dict()
     weights = load_head(cfg.init, target.args, device).state_dict() if cfg.init else {}
@@ -307,7 +311,11 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     if cfg.freeze_init:  # only what the --init head lacks learns: a grown head's new layers
         for name, p in head.named_parameters():
             p.requires_grad_(name not in weights)
-    opt = torch.optim.AdamW([p for p in head.parameters() if p.requires_grad], lr=cfg.lr, betas=(0.9, 0.95))
+    table = [head.token_table] if head.token_table is not None and head.token_table.requires_grad else []
+    rest = [p for p in head.parameters() if p.requires_grad and not any(p is t for t in table)]
+    # A table row learns only when its token comes up: a rare token's row sees few steps, so the table runs faster.
+    opt = torch.optim.AdamW([{"params": rest}] + [{"params": table}] * bool(table), lr=cfg.lr, betas=(0.9, 0.95))
+    lr_scales = (1.0, cfg.table_lr_scale)  # by group, from the flags: a resumed run may change the table's
     step, state_path = 0, cfg.out / "train_state.pt"
     state = {}
     if cfg.resume:
@@ -348,8 +356,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     while step < total and time.monotonic() < deadline:
         epoch, i = divmod(step, per_epoch)
         order = torch.randperm(len(data), generator=torch.Generator().manual_seed(cfg.seed * 1000 + epoch)).tolist()
-        for group in opt.param_groups:
-            group["lr"] = lr_at(step, cfg, total)
+        for group, scale in zip(opt.param_groups, lr_scales):
+            group["lr"] = lr_at(step, cfg, total) * scale
         idx = order[i * cfg.batch_size:(i + 1) * cfg.batch_size]
         with torch.autocast(device.type, dtype=torch.bfloat16, enabled=bf16):
             if cfg.arch == "eagle3":
@@ -408,6 +416,8 @@ HELP = {
     "init_vocab": "draft over the --init head's vocabulary instead of this data's most frequent tokens",
     "arch": "eagle: EAGLE-1/2 head; eagle3: EAGLE-3 head with training-time test",
     "head_layers": "decoder layers of an EAGLE-1/2 head (official: 1; each costs a decoder layer per draft level)",
+    "token_table": "give an EAGLE-1/2 head a learned input vector per draft-vocabulary token (a lookup: no draft time)",
+    "table_lr_scale": "the token table's learning rate as a multiple of --lr",
     "ttt_steps": "draft steps unrolled in training (training-time test; default eagle 1, eagle3 7 as the official code)",
     "ttt_decay": "loss weight decay per unrolled step (official 0.8)",
     "autocast": "bf16 autocast (auto: where bf16 matmul is native)",
@@ -438,8 +448,8 @@ def check_config(cfg: TrainConfig):
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
     if (cfg.freeze_init or cfg.init_vocab) and not cfg.init:
         raise UsageError("--freeze-init and --init-vocab need --init")
-    if cfg.head_layers != 1 and cfg.arch != "eagle":
-        raise UsageError("--head-layers is for EAGLE-1/2 heads (--arch eagle)")
+    if (cfg.head_layers != 1 or cfg.token_table) and cfg.arch != "eagle":
+        raise UsageError("--head-layers and --token-table are for EAGLE-1/2 heads (--arch eagle)")
     if cfg.ttt_steps < 0:
         raise UsageError("--ttt-steps must be >= 1 (0: the arch's default)")
     if cfg.holdout is not None and not cfg.holdout.exists():

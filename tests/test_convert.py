@@ -223,7 +223,7 @@ def test_eagle_head_matches_transformers_decoder_layer(gqa_tied, tmp_path, bias,
         emb = target.tok_embeddings(tokens)
         head.setup_caches(length)
         pos = torch.arange(length)
-        ours = head(emb, feature, pos, pos, causal_mask(pos, length))
+        ours = head(tokens, target.tok_embeddings.weight, feature, pos, pos, causal_mask(pos, length))
     config = json.loads((tmp_path / "official" / "config.json").read_text())
     expected = reference_head(official, config, emb, feature)
     assert (ours - expected).abs().max().item() < 1e-4

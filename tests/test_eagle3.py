@@ -93,9 +93,9 @@ def test_official_eagle3_head_matches_reference(hf_target, tmp_path):
     ref_ids = ref_logits.argmax(-1) + w["d2t"][ref_logits.argmax(-1)]
 
     head.setup_caches(64)
-    ours_ctx = head(emb[None, :T], fused[None], pos[:T], pos[:T], causal_mask(pos[:T], 64))[0]
+    ours_ctx = head(tokens[None, :T], target.tok_embeddings.weight, fused[None], pos[:T], pos[:T], causal_mask(pos[:T], 64))[0]
     last = pos[T:]
-    ours_next = head(emb[None, T:], ours_ctx[None, -1:], last, last, causal_mask(last, 64))[0]
+    ours_next = head(tokens[None, T:], target.tok_embeddings.weight, ours_ctx[None, -1:], last, last, causal_mask(last, 64))[0]
     ours = torch.cat([ours_ctx, ours_next])
     assert (ours - ref_all).abs().max().item() < 1e-5
     logits = head.logits(ours, target.output)

@@ -75,7 +75,7 @@ def test_the_checker_sees_cycles_and_upward_imports():
 
 def test_the_cycle_reads_in_one_sitting():
     lines = {name: len((REPO / f"{name}.py").read_text().splitlines()) for name in CYCLE_FILES}
-    assert lines["generate"] <= 350 and sum(lines.values()) <= 1550, lines  # 1500 until batches (generate_batch) came
+    assert lines["generate"] <= 350 and sum(lines.values()) <= 1570, lines  # 1500 until batches (generate_batch), 1550 until heads embedded their tokens (token tables)
 
 
 def test_readme_python_example_runs():

@@ -227,7 +227,38 @@ def test_grown_head_starts_as_its_init_and_trains_only_the_new_layer(trained, tm
     assert Generator(target, SPEC, head=grown).generate(prompt, 32, Sampling()).token_ids == Generator(target).generate(prompt, 32, Sampling()).token_ids
 
 
-@pytest.mark.parametrize("flags", [["--freeze-init"], ["--init-vocab"], ["--head-layers", "2", "--arch", "eagle3"], ["--head-layers", "0"]])
+def test_token_table_starts_as_its_init_learns_and_drafts(trained, tmp_path):
+    ckpt, out, _, _ = trained
+    common = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--train-only", *TRAIN_ARGS, "--epochs", "1",
+              "--init", str(out / "head"), "--lr", "1e-3"]
+    assert train_draft.main([*common, "--out", str(tmp_path / "same")]) == 0
+    assert train_draft.main([*common, "--out", str(tmp_path / "table"), "--token-table"]) == 0
+    first = [json.loads((tmp_path / run / "train_log.jsonl").read_text().splitlines()[0]) for run in ("same", "table")]
+    assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)  # the table starts at zero
+    target, tok = load_model(ckpt), load_tokenizer(ckpt)
+    head = load_head(tmp_path / "table" / "head", target.args)
+    convs = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
+    vocab = set(head.draft_vocab.tolist()) or set(range(target.args.vocab_size))
+    seen = {t for c in convs for t in c["tokens"][c["prompt_len"]:-1] if t in vocab}  # each read by a counted slot
+    rows = head.token_row[torch.tensor(sorted(seen))].long()
+    assert head.token_table[rows].abs().sum(-1).min() > 0  # every draft token of the answers has learned a row
+    prompt = encode_prompt(tok, target.args, [{"role": "user", "content": "Explain"}], chat=True)
+    vanilla = Generator(target).generate(prompt, 32, Sampling()).token_ids
+
+    def drafts(head):
+        trees = []
+        result = Generator(target, SPEC, head=head).generate(prompt, 32, Sampling(), lap=lambda name, **t: name == "accept" and trees.append(t["tokens"]))
+        assert result.token_ids == vanilla
+        return torch.stack(trees)
+
+    with_table = drafts(head)
+    with torch.no_grad():
+        head.token_table.mul_(1000)  # the cycle reads the table: scaled, it drafts other trees
+    assert not torch.equal(drafts(head), with_table)
+
+
+@pytest.mark.parametrize("flags", [["--freeze-init"], ["--init-vocab"], ["--head-layers", "2", "--arch", "eagle3"], ["--head-layers", "0"],
+                                   ["--token-table", "--arch", "eagle3"]])
 def test_misused_head_flags_are_one_line_exit_2(trained, tmp_path, capsys, flags):
     ckpt, out, _, _ = trained
     argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path), "--train-only", *TRAIN_ARGS, *flags]

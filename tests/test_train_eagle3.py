@@ -6,7 +6,6 @@ import math
 
 import pytest
 import torch
-import torch.nn.functional as F
 
 import dtypes
 import train_draft
@@ -50,7 +49,7 @@ def test_unrolled_steps_are_what_the_draft_computes(tiny_args, random_model, ran
     unrolled = list(train_draft.unrolled_steps(head, embed, tokens, fused, steps))
     head.layers[0].attention.kv_cache.k_cache.zero_()
     pos = torch.arange(T)
-    context = head(F.embedding(tokens[:, 1:T + 1], embed), fused, pos, pos, causal_mask(pos, 64))
+    context = head(tokens[:, 1:T + 1], embed, fused, pos, pos, causal_mask(pos, 64))
     assert torch.allclose(context, unrolled[0], atol=1e-5)
     for j in (0, 5, T - 1):
         h = context[:, j:j + 1]
@@ -59,7 +58,7 @@ def test_unrolled_steps_are_what_the_draft_computes(tiny_args, random_model, ran
             mask = torch.zeros(1, 64, dtype=torch.bool)
             mask[0, : j + 1] = True  # the context up to slot j (later context rows are not its past)
             mask[0, 33: 33 + i] = True  # its ancestors and itself
-            h = head(F.embedding(tokens[:, j + 1 + i:j + 2 + i], embed), h, torch.tensor([j + i]), slot, mask)
+            h = head(tokens[:, j + 1 + i:j + 2 + i], embed, h, torch.tensor([j + i]), slot, mask)
             assert torch.allclose(h[0, 0], unrolled[i][0, j], atol=1e-5), (i, j)
 
 
