@@ -308,6 +308,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     own = head.state_dict()
     weights = load_head(cfg.init, target.args, device).state_dict() if cfg.init else {}
     weights = {k: v for k, v in weights.items() if k in own and v.shape == own[k].shape}
+    if "token_table" not in weights:  # an init's rows map ids into its own table only
+        weights.pop("token_row", None)
     if cfg.freeze_init:  # only what the --init head lacks learns: a grown head's new layers
         for name, p in head.named_parameters():
             p.requires_grad_(name not in weights)

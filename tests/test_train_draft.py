@@ -235,6 +235,8 @@ def test_token_table_starts_as_its_init_learns_and_drafts(trained, tmp_path):
     assert train_draft.main([*common, "--out", str(tmp_path / "table"), "--token-table"]) == 0
     first = [json.loads((tmp_path / run / "train_log.jsonl").read_text().splitlines()[0]) for run in ("same", "table")]
     assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)  # the table starts at zero
+    smaller = [*common, "--init", str(tmp_path / "table" / "head"), "--token-table", "--draft-vocab", "48", "--out", str(tmp_path / "small")]
+    assert train_draft.main(smaller) == 0  # an init table of another size starts afresh, its row map with it
     target, tok = load_model(ckpt), load_tokenizer(ckpt)
     head = load_head(tmp_path / "table" / "head", target.args)
     convs = [json.loads(line) for line in (out / "conversations.jsonl").read_text().splitlines()]
