@@ -313,8 +313,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     if cfg.freeze_init:  # only what the --init head lacks learns: a grown head's new layers
         for name, p in head.named_parameters():
             p.requires_grad_(name not in weights)
-    table = [head.token_table] if head.token_table is not None and head.token_table.requires_grad else []
-    rest = [p for p in head.parameters() if p.requires_grad and not any(p is t for t in table)]
+    table = [p for p in [head.token_table] if p is not None and p.requires_grad]
+    rest = [p for p in head.parameters() if p.requires_grad and p is not head.token_table]
     # A table row learns only when its token comes up: a rare token's row sees few steps, so the table runs faster.
     opt = torch.optim.AdamW([{"params": rest}] + [{"params": table}] * bool(table), lr=cfg.lr, betas=(0.9, 0.95))
     lr_scales = (1.0, cfg.table_lr_scale)  # by group, from the flags: a resumed run may change the table's
