@@ -316,7 +316,7 @@ def sweep(a) -> dict:
         entries.append((f"eagle2 {m} {depth} {k}", Generator(target, spec, head, compile=a.compile), 0, None))
     rows = list(timed_rows(entries, tokenizer, margs, conversations, a, sampling)[0].values())
     for row, (m, depth, k) in zip(rows[1:], options):
-        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k, sizing.rank_accept(sampled)) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots), 3)
+        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k, sizing.rank_accept(sampled)) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots, sampling=sampled), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
     sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile, sampled)
     for row in rows:

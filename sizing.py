@@ -6,7 +6,6 @@
 # Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
 # draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
 # probabilities, and a cycle commits 1 + the sum over its m nodes. The tree holds the m most valuable nodes.
-import heapq
 import time
 from itertools import product
 
@@ -15,41 +14,29 @@ import torch
 import cache
 import dtypes
 import tp
+from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple
 from quant import KERNEL_MAX_ROWS, QuantLinear, packed_kernel
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
 TOPK_CHOICES = (4, 10)
-# Sampling drafts 10 children a node (the paper's k): the prior values a node's 5th child alike at k 4 and 10, but a sampled
-# token spreads over the head's ranks and the dynamic tree widens its first level when the head is unsure. On the AMX
-# Xeon at T=1 k 10 beat k 4 in 5 of 6 pairs of trees, all 4 at depth 2 (m8 d2: 1.20x against 1.09x); at T=0 it lost both.
+# Sampling's trees keep fixed widths a level (spectree.grow_coupled), which the prior's best tree of m nodes with k
+# children a node sets: k 10, the paper's, only bounds how many of a node's ranks that tree may use.
 TOPK_SAMPLING = (10,)
 LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
-RANK_ACCEPT = 0.6  # a: about our SmolLM2 head's depth-1 acceptance; the paper's 7B heads reach 0.8
-# a when sampling: head 8's depth-1 acceptance at T=1 (0.43 at m8 d3 k4, 0.48 at m8 d2 k10). Sampled text accepts far
-# less below the first level, so shallow trees win there (T=1 on the AMX Xeon, rows taking turns: m8 d2 k10 1.20x against
-# m8 d3 k4 1.09x; m12 d2 k10 1.13x against m8 d2 k4 1.05x in a slower run; BENCHMARKS.md).
-RANK_ACCEPT_SAMPLING = 0.45
+# The priors: spectree.RANK_ACCEPT, and RANK_ACCEPT_SAMPLING for sampling's coupled trees.
 CONTEXT = 256  # position the costs are measured at
 
 
-def rank_accept(sampling: bool) -> float:
+def rank_accept(sampling: bool):
+    """The prior: a, or (a, ratio) (spectree.best_first)."""
     return RANK_ACCEPT_SAMPLING if sampling else RANK_ACCEPT
 
 
-def expected_tau(m: int, depth: int, k: int, a: float = RANK_ACCEPT) -> float:
-    """1 + the m largest node values in the k-ary tree of the given depth (best-first: a child is never
-    worth more than its parent)."""
-    heap = [(-a * (1 - a) ** r, 1) for r in range(k)]
-    tau = 1.0
-    for _ in range(m):
-        neg, d = heapq.heappop(heap)
-        tau -= neg
-        if d < depth:
-            for r in range(k):
-                heapq.heappush(heap, (neg * a * (1 - a) ** r, d + 1))
-    return tau
+def expected_tau(m: int, depth: int, k: int, a=RANK_ACCEPT) -> float:
+    """1 + the m largest node values in the k-ary tree of the given depth (spectree.best_first; a: a or (a, ratio))."""
+    return 1.0 + sum(v for v, _ in best_first(m, depth, k, *(a if isinstance(a, tuple) else (a,))))
 
 
 def lookup_slots(depth: int, given=None, batch: int = 1) -> int:
@@ -72,16 +59,18 @@ def verify_cost(costs: dict, T: int) -> float:
     return r0 + (r1 - r0) * (T - t0) / (t1 - t0)
 
 
-def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int = 1) -> float:
-    """A cycle in decode steps (of batch rows): the context pass over depth+1 rows, depth-1 expansions of k rows, the
-    verify of the root, m nodes and the lookup slots (their tokens are not valued: on text without repeats they are
-    dead); every row once per sequence of the batch."""
+def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int = 1, sampling: bool = False) -> float:
+    """A cycle in decode steps (of batch rows): the context pass over depth+1 rows, depth-1 expansions of k rows (when
+    sampling, one of each level's nodes but the last: spectree.grow_coupled), the verify of the root, m nodes and the
+    lookup slots (their tokens are not valued: on text without repeats they are dead); every row once per sequence of
+    the batch."""
     level = costs["level"]
 
     def rows(n):  # a head pass over n rows a sequence: row costs are close to linear
         return level["4"] + (level["10"] - level["4"]) * (batch * n - 4) / 6
 
-    cycle = rows(depth + 1) + (depth - 1) * rows(k) + verify_cost(costs, batch * (m + 1 + lookup_slots(depth, lookup, batch)))
+    expand = sum(map(rows, level_widths(m, depth, k)[:-1])) if sampling else (depth - 1) * rows(k)
+    cycle = rows(depth + 1) + expand + verify_cost(costs, batch * (m + 1 + lookup_slots(depth, lookup, batch)))
     return cycle / (1.0 if batch == 1 else verify_cost(costs, batch))
 
 
@@ -98,7 +87,7 @@ def ranked_trees(costs: dict, m=None, depth=None, k=None, a=None, lookup=None, b
             raise ValueError(f"--lookup-slots {lookup} exceeds the tree's depth {depth or max(DEPTH_CHOICES)}")
         raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}"
                          + (f" and depth >= --lookup-slots {lookup}" if lookup else ""))
-    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup, batch), o[0]))
+    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup, batch, sampling), o[0]))
 
 
 def _ms(fn, sync) -> float:
@@ -233,7 +222,9 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
 
 
 def swept_key(sampling: bool) -> str:
-    return "swept sampling" if sampling else "swept"  # greedy decoding and sampling each get their own tree
+    # Greedy decoding and sampling each get their own tree; sampling's sweeps before its trees were coupled to the draws
+    # (spectree.grow_coupled, session 57) were recorded as "swept sampling" and no longer count.
+    return "swept coupled sampling" if sampling else "swept"
 
 
 def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False):

@@ -2,6 +2,9 @@
 # no host syncs, nothing about models. A tree of n nodes is (tokens [n], parents [n], depths [n]) in
 # topological order, node 0 the root (its own parent, depth 0).
 # (Not named tree.py: Dynamo skips modules named like the PyPI package "tree", and compiled cycles call these.)
+import functools
+import heapq
+
 import torch
 from torch import Tensor
 
@@ -15,6 +18,38 @@ EAGLE1_TREE = [
     [0, 0, 0, 0], [0, 0, 0, 1], [0, 0, 0, 2],
     [0, 0, 0, 0, 0], [0, 0, 0, 0, 1],
 ]  # fmt: skip
+
+
+# ---- the value of a tree under a static prior (sizing's model, and the widths of sampling's trees) ----
+
+RANK_ACCEPT = 0.6  # a: about our SmolLM2 head's depth-1 acceptance; the paper's 7B heads reach 0.8
+# When sampling, (a, ratio): the target's draw is the coupled draft's rank-r guess with probability a ratio^r. Head 12
+# on 40 MT-bench turns at T=1 (grow_coupled): 4 nodes a level took 0.66 of the first level's draws (0.42 0.17 0.07 0.03
+# sums to 0.68), where ranks 0-3 of the 10 most probable tokens held 0.50 and 0.45 0.55^r had been the prior.
+RANK_ACCEPT_SAMPLING = (0.42, 0.4)
+
+
+def best_first(m: int, depth: int, k: int, a: float, ratio=None) -> list:
+    """The m most valuable nodes of the k-ary tree of the given depth, as (value, level) best first, where the target's
+    next token is the draft's rank-r guess with probability a ratio^r (ratio: 1-a by default, a geometric law) and a
+    node's value is the product of its path's (a child is never worth more than its parent, so the best m form a tree)."""
+    ratio = 1 - a if ratio is None else ratio
+    heap = [(-a * ratio ** r, 1) for r in range(k)]
+    nodes = []
+    for _ in range(min(m, k * (k ** depth - 1) // (k - 1) if k > 1 else depth)):  # m, or the whole tree
+        neg, d = heapq.heappop(heap)
+        nodes.append((-neg, d))
+        if d < depth:
+            for r in range(k):
+                heapq.heappush(heap, (neg * a * ratio ** r, d + 1))
+    return nodes
+
+
+@functools.cache
+def level_widths(m: int, depth: int, k: int) -> tuple:
+    """Nodes per level of best_first's tree under the sampling prior: the shape of sampling's trees (grow_coupled)."""
+    levels = [d for _, d in best_first(m, depth, k, *RANK_ACCEPT_SAMPLING)]
+    return tuple(levels.count(d) for d in range(1, max(levels, default=0) + 1))
 
 
 # ---- EAGLE-2 dynamic tree ----
@@ -57,6 +92,42 @@ def rerank(pool_scores: Tensor, m: int) -> Tensor:
     descending sort puts every parent before its children, ties included: any prefix is ancestor-closed."""
     order = torch.sort(pool_scores, descending=True, stable=True).indices
     return torch.sort(order[:m]).values
+
+
+def gaps(noisy: Tensor) -> Tensor:
+    """A node's coupled score: how far its log q + noise falls short of its row's best (0 for the draw q itself would
+    make). Summed along a path, a draft equal to the target keeps the path the target will draw at 0, ahead of every
+    other; a log-softmax of the noisy values instead (a row's confidence) took τ 2.04 against 2.02 (noise)."""
+    return noisy - noisy.max(-1, keepdim=True).values
+
+
+def grow_coupled(root_logp: Tensor, step, widths: tuple, noise: Tensor):
+    """Sampling's tree, its drafts coupled to the verify's draws (the Gumbel-max trick). The target's token at depth d
+    of the tree is argmax(log p + noise[d-1]) (sampling.draw), so the draft ranks by log q + the same noise: where q is
+    close to p, its top candidate is the token the target will draw, not merely a likely one. On MT-bench at T=1, head
+    12's 10 best guesses hold the target's draw 0.77 of the time this way, against 0.60 for its 10 most probable tokens
+    (benchmarks/head_agreement.py --sampled).
+
+    Lossless because a level's nodes are chosen from noise[:level] alone: the target's draw at a depth-d node reads
+    noise[d], which nothing that decided the path to that node has seen, so it is a fresh sample of p there. That
+    forbids EAGLE-2's rerank over the whole pool (a shallow node's place would hang on deeper noise); instead each
+    level keeps a fixed number of nodes, widths[level-1], the best by summed gaps along their path, and only those
+    are expanded.
+
+    root_logp [V], noise [len(widths), V]: the draft's log-probs and Gumbels in draft-vocabulary ids; step(level, tok,
+    parent) as grow's (parent indexes the level before's chosen nodes). -> tokens, parents (node indices of the tree
+    whose root is node 0) and scores, each [sum(widths)], level by level."""
+    score, tok = torch.topk(gaps(root_logp + noise[0]), widths[0])
+    parent = torch.zeros_like(tok)
+    toks, parents, scores = [tok], [parent], [score]
+    for level in range(1, len(widths)):
+        child = torch.topk(gaps(step(level, tok, parent) + noise[level]), widths[level], dim=-1)
+        score, best = torch.topk((score[:, None] + child.values).flatten(), widths[level])  # a row's w best hold the level's
+        parent, tok = best // widths[level], child.indices.flatten()[best]
+        toks.append(tok)
+        parents.append(1 + sum(widths[: level - 1]) + parent)
+        scores.append(score)
+    return torch.cat(toks), torch.cat(parents), torch.cat(scores)
 
 
 def tree_from_pool(sel: Tensor, pool_tokens: Tensor, pool_parents: Tensor, root: Tensor):

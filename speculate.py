@@ -1,11 +1,12 @@
 # One speculative cycle, fixed shapes (but attention's width on a CPU: model.live_width), one host sync at its end:
 #   draft_context  the head reads the pairs (target feature f_j, next token x_{j+1}) committed last cycle
-#   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (spectree.py)
+#   draft_dynamic  depth-1 expansions of the k best nodes, then the m best of the pool (spectree.py); when
+#                  sampling, draft_coupled: fixed widths a level, ranked with the noise the verify draws with
 #   verify         one target forward over [root] + m nodes
 #   commit         accept (spectree.py), move the accepted KV rows into place, queue the next pairs
 # tree_cycle runs them in that order; the eagle mode swaps draft_dynamic for the published static tree,
 # sps and lookup draft a chain (verify_chain). Everything here is a function of tensors: compiled as it is.
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 import torch.nn as nn
@@ -16,7 +17,7 @@ import lookup
 import spectree
 from draft import DraftHead
 from model import Transformer, causal_mask, live_width
-from sampling import Sampling, sample
+from sampling import Sampling, gumbel, sample
 
 MODES = ("none", "eagle2", "eagle", "sps", "lookup")
 CHAINS = ("sps", "lookup")
@@ -34,6 +35,9 @@ class TreeSpec:
     topk: int = 10
     num_draft_tokens: int = 60  # m
     lookup_slots: int = 0  # eagle2: s more nodes, the prompt lookup chain continuing the root (spectree.graft_chain)
+    # eagle2 when sampling: nodes per level (spectree.grow_coupled), the levels of the sampling prior's best tree of m
+    # nodes; set here, not in a property, so compiled cycles read a constant instead of tracing the heap that finds it
+    widths: tuple = field(init=False, compare=False, repr=False)
 
     @classmethod
     def chain(cls, mode: str, k: int) -> "TreeSpec":
@@ -50,11 +54,15 @@ class TreeSpec:
             raise ValueError("the eagle mode's tree is fixed: TreeSpec.static()")
         if self.lookup_slots and (self.mode != "eagle2" or self.lookup_slots > self.depth):
             raise ValueError("lookup slots go into an eagle2 tree, at most depth of them")
+        widths = spectree.level_widths(self.num_draft_tokens, self.depth, self.topk) if self.mode == "eagle2" else ()
+        object.__setattr__(self, "widths", widths)
 
     @property
     def scratch(self) -> int:
-        """Draft KV slots for tree nodes, after the context slots."""
-        return {"eagle2": (self.depth - 1) * self.topk, "eagle": self.num_draft_tokens}.get(self.mode, 0)
+        """Draft KV slots for tree nodes, after the context slots: eagle2 expands topk nodes a level, or when sampling
+        every level's nodes but the last."""
+        eagle2 = max((self.depth - 1) * self.topk, sum(self.widths[:-1])) if self.mode == "eagle2" else 0
+        return {"eagle2": eagle2, "eagle": self.num_draft_tokens}.get(self.mode, 0)
 
     @property
     def verify_len(self) -> int:
@@ -136,12 +144,39 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     return tokens, parents, F.pad(pool_score[sel], (1, 0))  # the root's score is 0
 
 
-def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
-    """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank."""
+def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise: Tensor):
+    """EAGLE-2 when sampling: spec.widths nodes a level, ranked by draft log-probs plus the Gumbels the verify draws
+    with (spectree.grow_coupled). noise [depth+1, V] in target ids. -> the tree's tokens, parents and scores."""
+    ctx, widths = head.max_seq_length - spec.scratch, spec.widths
+    noise = noise[: len(widths), head.draft_vocab] if len(head.draft_vocab) else noise[: len(widths)]
+    feat, anc = h_root[None], torch.zeros_like(st.scratch_eye[:1])
+
+    def step(level, tok, parent):
+        nonlocal feat, anc
+        first, n = sum(widths[: level - 1]), tok.shape[0]
+        anc = anc[parent] | st.scratch_eye[first:first + n]
+        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(n),
+                                 ctx + first + torch.arange(n, device=tok.device), scratch_mask(st, head, anc))
+        return sampling.draft_logprobs(logits)
+
+    root_logp = sampling.draft_logprobs(head.logits(h_root, target.output))
+    tokens, parents, scores = spectree.grow_coupled(root_logp, step, widths, noise)
+    return torch.cat([st.root, head.target_ids(tokens)]), F.pad(parents, (1, 0)), F.pad(scores, (1, 0))
+
+
+def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise=None):
+    """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank (when sampling, ranked
+    by log-probs plus the verify's Gumbels, as draft_coupled: the tree's shape is fixed, so any noise may rank it)."""
     parents, ranks = st.static_parents, st.static_ranks
     ctx = head.max_seq_length - spec.scratch
+    if noise is not None:
+        noise = noise[:, head.draft_vocab] if len(head.draft_vocab) else noise
+
+    def ranked(logits, level):
+        return logits if noise is None else sampling.draft_logprobs(logits) + noise[level - 1]
+
     tokens, feats = [st.root], h_root[None]
-    top = head.target_ids(torch.topk(head.logits(h_root, target.output), spec.topk).indices[None])
+    top = head.target_ids(torch.topk(ranked(head.logits(h_root, target.output), 1), spec.topk).indices[None])
     for level in range(1, spec.depth + 1):
         first, last = STATIC_LEVELS[level], STATIC_LEVELS[level + 1]
         local_parent = parents[first:last] - STATIC_LEVELS[level - 1]
@@ -153,7 +188,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         pos = (st.L - 1 + level).expand(last - first)
         mask = scratch_mask(st, head, st.static_anc[nodes - 1])
         feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
-        top = head.target_ids(torch.topk(logits, spec.topk).indices)
+        top = head.target_ids(torch.topk(ranked(logits, level + 1), spec.topk).indices)
     return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
 
 
@@ -197,8 +232,14 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     accept_len+1 real)]. lap(name), eager only, marks where each phase ends (bench.py's time split); at
     "accept" it also gets the cycle's tokens, parents, draws and draft scores (calibration.py)."""
     h_root = draft_context(target, head, st, spec)
-    draft_tree = draft_dynamic if spec.mode == "eagle2" else draft_static
-    tokens, parents, scores = draft_tree(target, head, st, spec, h_root)
+    # Sampling draws the token at depth d with noise[d] (sampling.draw), and the drafts foresee those draws.
+    noise = gumbel((spec.depth + 1, target.args.vocab_size), st.L.device) if sampling.temperature else None
+    if spec.mode == "eagle":
+        tokens, parents, scores = draft_static(target, head, st, spec, h_root, sampling, noise)
+    elif noise is None:
+        tokens, parents, scores = draft_dynamic(target, head, st, spec, h_root)
+    else:
+        tokens, parents, scores = draft_coupled(target, head, st, spec, h_root, sampling, noise)
     live = None
     if spec.lookup_slots:
         chain, found = lookup.ngram_draft(st.history, st.L + 1, spec.lookup_slots)
@@ -210,7 +251,7 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     lap and lap("tree")
     logits, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
-    draws = sampling.draw(logits)
+    draws = sampling.draw(logits, None if noise is None else noise[depths])
     accept_tokens = tokens if live is None else torch.where(live, tokens, -1)  # a dead slot matches no draw
     accept_len, path, bonus = spectree.accept(accept_tokens, parents, depths, draws, spec.depth)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)

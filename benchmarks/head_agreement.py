@@ -9,6 +9,7 @@
 #
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
 #   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over an EAGLE-1/2 head's first N tokens (0: all)
+#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct --sampled --steps 2   # T=1: top-k mass against coupled guesses
 import os
 import sys
 
@@ -50,6 +51,33 @@ def agreement(head, target, answers: list, steps: int, k: int = 10) -> dict:
             "outside_vocab": outside / positions}
 
 
+@torch.no_grad()
+def sampled_agreement(head, target, answers: list, steps: int, ks=(1, 4, 10), draws: int = 8) -> dict:
+    """Along sampled answers (T=1), how often the target's draw lies in the head's k candidates at each unrolled step: the
+    head's k most probable tokens (the chance is their target mass, which sample-and-match accepts) against its k best by
+    log q + Gumbel noise shared with the draw, argmax(log p + noise) (spectree.grow_coupled; draws noise rows a position)."""
+    lm, embed = target.output.weight.float(), target.tok_embeddings.weight.float()
+    ids = head.draft_vocab if len(head.draft_vocab) else torch.arange(len(lm))
+    top, coupled, count = torch.zeros(steps, len(ks)), torch.zeros(steps, len(ks)), torch.zeros(steps)
+    for tokens, prompt_len, hidden, fused in answers:
+        T = len(tokens) - 1
+        logp_all = torch.log_softmax(hidden.float()[1:] @ lm.T, -1)  # [j]: the target after position j + 1
+        padded = F.pad(tokens[None], (0, steps))
+        feature = (fused if head.taps else hidden).float()[None, :T]
+        for i, h in enumerate(unrolled_steps(head, embed, padded, feature, steps)):
+            slots = torch.arange(max(0, prompt_len - 1 - i), T - i)
+            logp, logq = logp_all[slots + i], torch.log_softmax(head.logits(h[0, slots], target.output).float(), -1)
+            mass = logp.exp().gather(-1, ids[logq.topk(max(ks), -1).indices]).cumsum(-1)
+            top[i] += torch.stack([mass[:, k - 1].sum() for k in ks])
+            for _ in range(draws):
+                noise = -torch.log(-torch.log(torch.rand_like(logp)))
+                hit = (ids[(logq + noise[:, ids]).topk(max(ks), -1).indices] == (logp + noise).argmax(-1, keepdim=True)).cumsum(-1)
+                coupled[i] += torch.stack([hit[:, k - 1].sum() for k in ks]) / draws
+            count[i] += len(slots)
+    return {f"top{k}": (top[:, j] / count).tolist() for j, k in enumerate(ks)} | \
+           {f"coupled{k}": (coupled[:, j] / count).tolist() for j, k in enumerate(ks)}
+
+
 def load_heads(specs: list, target) -> dict:
     """Every head, loaded before the answers' minutes are spent; sets target.taps to the layers the EAGLE-3 ones read."""
     heads = {}
@@ -73,6 +101,8 @@ def main() -> int:
     p.add_argument("--max-new-tokens", type=int, default=128)
     p.add_argument("--steps", type=int, default=6, help="unrolled steps: the tree's depth")
     p.add_argument("--threads", type=int, default=1)
+    p.add_argument("--sampled", action="store_true", help="sampled answers (T=1): the draw in the head's k most probable "
+                   "tokens against its k best coupled guesses (sampled_agreement)")
     try:
         a = p.parse_args()
         torch.set_num_threads(a.threads)
@@ -83,13 +113,20 @@ def main() -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=a.num_prompts)]
-    rows = sample_batch(target, prompts, a.max_new_tokens, torch.zeros(len(prompts)), 1.0, target.args.stop_tokens, batch=16, states=True)
+    torch.manual_seed(0)
+    temperature = torch.full((len(prompts),), float(a.sampled))
+    rows = sample_batch(target, prompts, a.max_new_tokens, temperature, 1.0, target.args.stop_tokens, batch=16, states=True)
     answers = [(torch.tensor(p + new), len(p), hidden, fused) for p, (new, hidden, fused) in zip(prompts, rows)]
-    print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} greedy answer tokens, fp32 target")
+    kind = "sampled (T=1)" if a.sampled else "greedy"
+    print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} {kind} answer tokens, fp32 target")
     for spec, head in heads.items():
         head.setup_caches(a.max_new_tokens + max(map(len, prompts)) + a.steps)
         for layer in head.layers:
             layer.attention.kv_cache = None  # unrolled_steps attends within the answer, as training does
+        if a.sampled:
+            r = sampled_agreement(head, target, answers, a.steps)
+            print(f"{spec}: " + "  ".join(f"{name} {' '.join(f'{x:.3f}' for x in v)}" for name, v in r.items()), flush=True)
+            continue
         r = agreement(head, target, answers, a.steps)
         print(f"{spec}: outside vocab {r['outside_vocab']:.3f}  top1 {' '.join(f'{x:.3f}' for x in r['top1'])}  "
               f"top10 {' '.join(f'{x:.3f}' for x in r['top10'])}", flush=True)

@@ -186,10 +186,9 @@ AMX = {"verify": {"3": 1.198, "5": 1.222, "7": 1.295, "9": 1.329, "13": 1.46, "1
 
 
 def test_sampling_gets_a_shallower_tree_of_its_own_and_no_lookup_slots(tiny_args, random_model, random_head, monkeypatch):
-    """Sampled text accepts less below a tree's first level (head 8 at T=1: 0.43 0.30 0.24 against 0.6 and more greedy), so
-    load_generator(sampling=True) (generate.py and bench.py at T > 0) sizes its tree with the sampling prior and k 10 (a
-    sampled token spreads over the head's ranks), or takes a sweep run at T > 0, never the greedy sweep's tree; and its
-    lookup slots are none unless asked."""
+    """Sampled text accepts less than greedy text even with coupled drafts (head 12 at T=1: 0.66 of the first level's draws
+    in 4 nodes), so load_generator(sampling=True) (generate.py and bench.py at T > 0) sizes its tree with the sampling
+    prior, or takes a sweep run at T > 0, never the greedy sweep's tree; and its lookup slots are none unless asked."""
     greedy, sampled = sizing.ranked_trees(AMX, lookup=0)[0], sizing.ranked_trees(AMX, lookup=0, sampling=True)[0]
     assert greedy[1] == 3 and sampled[1:] == (2, 10)
     costs = dict(AMX)
@@ -203,7 +202,7 @@ def test_sampling_gets_a_shallower_tree_of_its_own_and_no_lookup_slots(tiny_args
     assert tree(sampling=True) == (*sampled, 0) and tree(lookup_slots=0) == (*greedy, 0) and tree()[3] > 0
     costs["swept"] = [8, 3, 4]
     assert tree(sampling=True) == (*sampled, 0) and tree() == (8, 3, 4, 3)
-    costs["swept sampling"] = [8, 2, 10]
+    costs[sizing.swept_key(True)] = [8, 2, 10]
     assert tree(sampling=True) == (8, 2, 10, 0) and tree(sampling=True, lookup_slots=2) == (8, 2, 10, 2) and tree() == (8, 3, 4, 3)
 
 

@@ -189,6 +189,60 @@ def test_grow_on_random_scores_expands_and_keeps_the_best_values_in_closed_trees
         check_values(r)
 
 
+# ---- sampling's tree: grow_coupled ----
+
+def markov_grow(widths, V=12, seed=0, draft_error=0.0):
+    """grow_coupled over a Markov chain target (log P[t] follows t) whose draft is the chain's log-probs plus
+    draft_error noise; -> (tokens, parents, depths, scores, noise, log P) with the root at node 0 (token 0)."""
+    g = torch.Generator().manual_seed(seed)
+    logP = torch.log_softmax(torch.randn(V, V, generator=g) * 2, -1)
+    logQ = torch.log_softmax(logP + draft_error * torch.randn(V, V, generator=g), -1)
+    noise = -torch.log(-torch.log(torch.rand(len(widths) + 1, V, generator=g)))
+    tok, par, score = spectree.grow_coupled(logQ[0], lambda level, t, parent: logQ[t], widths, noise)
+    tokens, parents = torch.cat([torch.zeros(1, dtype=torch.long), tok]), torch.cat([torch.zeros(1, dtype=torch.long), par])
+    depths = spectree.ancestor_mask(parents, len(widths)).sum(-1) - 1
+    return tokens, parents, depths, torch.cat([torch.zeros(1), score]), noise, logP
+
+
+@pytest.mark.parametrize("widths", [(4,), (3, 2), (2, 5, 1), (1, 1, 1, 1)])
+def test_coupled_tree_has_its_widths_and_keeps_the_best_children_of_each_level(widths):
+    for seed in range(20):
+        tokens, parents, depths, scores, noise, _ = markov_grow(widths, seed=seed, draft_error=1.0)
+        assert [int((depths == d).sum()) for d in range(1, len(widths) + 1)] == list(widths)
+        assert bool((depths[1:] == depths[parents[1:]] + 1).all()) and bool((depths[1:-1] <= depths[2:]).all())
+        for d in range(1, len(widths) + 1):  # no sibling set holds a token twice, and no child outscores its parent
+            at = (depths == d).nonzero().flatten()
+            pairs = {(int(parents[i]), int(tokens[i])) for i in at}
+            assert len(pairs) == len(at) and bool((scores[at] <= scores[parents[at]] + 1e-6).all())
+
+
+def test_a_coupled_draft_equal_to_the_target_foresees_its_samples():
+    # The target's draw at a depth-d node is argmax(log p + noise[d]); a draft with q = p ranks that very token first, so
+    # every cycle accepts the whole depth. Noise one level off (or none) would leave this to chance.
+    widths = (3, 2, 2, 1)
+    for seed in range(30):
+        tokens, parents, depths, _, noise, logP = markov_grow(widths, seed=seed)
+        draws = sampling.draw(logP[tokens], 1.0, noise=noise[depths])
+        accept_len, _, _ = spectree.accept(tokens, parents, depths, draws, len(widths))
+        assert accept_len == len(widths)
+
+
+def test_coupled_draws_sample_the_distribution(chi2_pvalue):
+    torch.manual_seed(0)
+    logits = torch.tensor([0.5, -1.0, 2.0, 0.0, -inf, 1.0])
+    noise = sampling.gumbel((40000, 6), "cpu")
+    draws = sampling.draw(logits.expand(40000, -1), 0.8, top_p=0.95, noise=noise)
+    assert chi2_pvalue(torch.bincount(draws, minlength=6), sampling.logits_to_probs(logits, 0.8, top_p=0.95)) > 1e-3
+
+
+def test_level_widths_are_the_prior_trees_levels():
+    assert spectree.level_widths(1, 6, 10) == (1,)
+    for m, depth, k in [(8, 2, 10), (16, 3, 4), (60, 6, 10)]:
+        widths = spectree.level_widths(m, depth, k)
+        assert sum(widths) == m and len(widths) <= depth and widths[0] <= k
+        assert all(w <= k * before for before, w in zip(widths, widths[1:]))
+
+
 # ---- EAGLE-1 static tree ----
 
 def test_static_tree_matches_the_published_paths():

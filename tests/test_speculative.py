@@ -9,6 +9,7 @@ import torch
 
 import sampling
 import spectree
+import speculate
 import quant
 from draft import EagleHead, use_draft_vocab
 from eaglet import Generator
@@ -246,7 +247,9 @@ def small_vocab(single_thread, tiny_args, random_model, random_head):
     draft = copy.deepcopy(target)
     with torch.no_grad():
         draft.output.weight.mul_(2.0)
-    head = random_head(args, seed=1)
+    # A head of std 0.5 drafts with some confidence: a near-uniform one's coupled trees are chosen by the noise alone, and
+    # a fresh bonus draw (below) moved the eagle2 counts only to p = 2e-3.
+    head = random_head(args, seed=1, std=0.5)
     return SimpleNamespace(target=target, generator=lambda mode: make_generator(target, SAMPLING_SPECS[mode], head, draft))
 
 
@@ -305,9 +308,9 @@ def fresh_bonus(monkeypatch):
     real_draw, real_accept = sampling.draw, spectree.accept
     last = {}
 
-    def draw(logits, temperature, top_k=0, top_p=1.0):
+    def draw(logits, temperature, top_k=0, top_p=1.0, noise=None):
         last["probs"] = sampling.logits_to_probs(logits, temperature, top_k, top_p)
-        return real_draw(logits, temperature, top_k, top_p)
+        return real_draw(logits, temperature, top_k, top_p, noise)
 
     def accept(tokens, parents, depths, draws, depth):
         accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
@@ -322,6 +325,16 @@ def test_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fres
     prompt = PROMPTS.get(mode, PROMPT)
     counts, _ = sample_first_tokens(small_vocab.generator(mode), T1, prompt)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, prompt)) < 1e-3
+
+
+@pytest.mark.parametrize("mode", ["eagle2", "eagle"])
+def test_sampling_test_rejects_one_noise_for_every_depth(small_vocab, chi2_pvalue, monkeypatch, mode):
+    # The drafts and the verify's draws share one Gumbel row a depth; the same row at every depth ties a cycle's tokens
+    # to each other (the target would draw its argmax again wherever it stays as likely).
+    real = speculate.gumbel
+    monkeypatch.setattr(speculate, "gumbel", lambda shape, device: real(shape[1:], device).expand(shape))
+    counts, _ = sample_first_tokens(small_vocab.generator(mode), T1)
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
 
 
 def test_sampling_test_rejects_a_replacement_drawn_from_p(small_vocab, chi2_pvalue, monkeypatch, accept_chain_replacing_from_p):

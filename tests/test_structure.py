@@ -75,7 +75,9 @@ def test_the_checker_sees_cycles_and_upward_imports():
 
 def test_the_cycle_reads_in_one_sitting():
     lines = {name: len((REPO / f"{name}.py").read_text().splitlines()) for name in CYCLE_FILES}
-    assert lines["generate"] <= 350 and sum(lines.values()) <= 1570, lines  # 1500 until batches (generate_batch), 1550 until heads embedded their tokens (token tables)
+    # 1500 until batches (generate_batch), 1550 until heads embedded their tokens (token tables), 1570 until sampling's
+    # drafts were coupled to the target's draws (spectree.grow_coupled and the tree value model it sizes widths with)
+    assert lines["generate"] <= 350 and sum(lines.values()) <= 1700, lines
 
 
 def test_readme_python_example_runs():
