@@ -21,6 +21,7 @@ from checkpoint import UsageError, UsageParser, default_checkpoint, load_model  
 from distill import sample_batch  # noqa: E402
 from draft import load_head, use_draft_vocab  # noqa: E402
 from prompts import load_conversations  # noqa: E402
+from sampling import draw as sampling_draw, gumbel  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from train_draft import target_argmax, unrolled_steps  # noqa: E402
 
@@ -70,8 +71,9 @@ def sampled_agreement(head, target, answers: list, steps: int, ks=(1, 4, 10), dr
             mass = logp.exp().gather(-1, ids[logq.topk(max(ks), -1).indices]).cumsum(-1)
             top[i] += torch.stack([mass[:, k - 1].sum() for k in ks])
             for _ in range(draws):
-                noise = -torch.log(-torch.log(torch.rand_like(logp)))
-                hit = (ids[(logq + noise[:, ids]).topk(max(ks), -1).indices] == (logp + noise).argmax(-1, keepdim=True)).cumsum(-1)
+                noise = gumbel(logp.shape, logp.device)
+                draw = sampling_draw(logp, 1.0, noise=noise)
+                hit = (ids[(logq + noise[:, ids]).topk(max(ks), -1).indices] == draw[:, None]).cumsum(-1)
                 coupled[i] += torch.stack([hit[:, k - 1].sum() for k in ks]) / draws
             count[i] += len(slots)
     return {f"top{k}": (top[:, j] / count).tolist() for j, k in enumerate(ks)} | \
