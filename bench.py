@@ -121,9 +121,10 @@ def time_split(gen: Generator, tokenizer, margs, conversations, a, sampling) -> 
 def mode_options(a, mode: str) -> dict:
     """load_generator's keywords for one mode, from bench.py's flags: the tree flags go to eagle2, the chain
     length to sps and lookup."""
-    options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint)
+    options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint,
+                   sampling=check_sampling(a.temperature, a.top_k, a.top_p))  # compiled steps are built for it
     if mode == "eagle2":
-        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots, sampling=a.temperature > 0)
+        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots)
     if mode in CHAINS:
         options.update(speculate_k=a.speculate_k)
     return options
@@ -422,8 +423,8 @@ def main(argv=None) -> int:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compile", nargs="?", const="auto", default=False, choices=COMPILE_CHOICES,
-                   help="torch.compile the steps; on a CPU auto (the default): packed or max, whichever measured faster here (README)")
+    p.add_argument("--compile", nargs="?", const="packed", default=False, choices=COMPILE_CHOICES,
+                   help="compile the steps before timing; on a CPU packed (the default; saved per machine), max (GEMM templates) or auto (the faster, measured)")
     p.add_argument("--depth", type=int, default=None)
     p.add_argument("--topk", type=int, default=None)
     p.add_argument("--num-draft-tokens", type=int, default=None)

@@ -1,8 +1,11 @@
 # How the steps are compiled: torch.compile with each device's Inductor settings, set in this one place, and the
 # CPU's weights prepacked for oneDNN (quant.PackedLinear; in bf16 with AVX512-BF16 for rowsmm's kernel instead) or,
-# under --compile max, frozen for Inductor's GEMM templates; the CLI's --compile (auto) takes whichever of the two
-# measured faster on this CPU (choose).
+# under --compile max, frozen for Inductor's GEMM templates; --compile auto takes whichever of the two measured faster
+# on this CPU (choose). A CPU's packed steps are compiled once and saved (precompiled, at the end of this file).
+import dataclasses
+import functools
 import hashlib
+import io
 import itertools
 import json
 import math
@@ -19,6 +22,7 @@ from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import cache
 import dtypes
+import model
 import quant
 import rowsmm
 import tp
@@ -232,3 +236,138 @@ def sizing_compile(target, head=None, compile=True):
     compile_fn = lambda fn: compiled(fn, device, frozen, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)  # noqa: E731
     compile_fn.compile = compile  # part of sizing's cache key: --compile max's costs are its own
     return compile_fn
+
+
+# ---------------------------------------------------------------- compiled steps saved to disk
+# A step is traced and code-generated once per machine, model shape, tree and sampling rule; the next process loads
+# the result (torch's precompile: Dynamo's bytecode and Inductor's code in one file) in a second instead of compiling
+# it again for minutes. Dynamo's guards, which would re-check every input on every call, are left out of the package:
+# the file's key names everything they would have checked (every tensor's shape, dtype and layout, every Python value
+# the trace read off the modules, the tree, the sampling rule, this project's source, torch and the CPU), so a package
+# is only ever found for inputs it was built for. A package that cannot be read, or whose key disagrees with its
+# name, is said in one line and built again.
+PACKAGES = "compiled"
+
+
+def packages_enabled() -> bool:
+    """EAGLET_PACKAGES=0 compiles a CPU's steps lazily at their first call instead, as torch.compile does."""
+    return os.environ.get("EAGLET_PACKAGES", "1") != "0"
+
+
+def describe(x) -> str:
+    """What a traced step reads off one argument, as text: a module's classes, plain attributes and tensors."""
+    if isinstance(x, torch.nn.Module):
+        lines = []
+        for name, m in x.named_modules():
+            plain = {k: v for k, v in vars(m).items() if not k.startswith("_") and is_plain(v)}
+            tensors = {k: tensor_meta(t) for k, t in itertools.chain(m._parameters.items(), m._buffers.items())}
+            lines.append(f"{name}: {type(m).__module__}.{type(m).__qualname__} {sorted(plain.items())} {sorted(tensors.items())}")
+        return "\n".join(lines)
+    return tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x)
+
+
+def is_plain(v) -> bool:
+    return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(is_plain, v))) \
+        or dataclasses.is_dataclass(v) and not isinstance(v, type)
+
+
+def tensor_meta(t) -> str:
+    if t is None:
+        return "None"
+    stride = "" if t.layout != torch.strided else f" stride {t.stride()}"
+    return f"{tuple(t.shape)} {t.dtype} {t.layout} {t.device.type}{stride}"
+
+
+@functools.cache
+def machine() -> str:
+    """The machine's side of a package key: torch, Python, the CPU and its instruction sets, threads."""
+    flags = next((line.split(":", 1)[1].split() for line in cpuinfo() if line.startswith("flags")), [])
+    return f"torch {torch.__version__} | python {sys.version.split()[0]} | {dtypes.cpu_name()} | {' '.join(sorted(flags))} | " \
+           f"threads {torch.get_num_threads()}"
+
+
+def cpuinfo() -> list:
+    try:
+        return Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return []
+
+
+@functools.cache
+def source_digest() -> str:
+    """This project's Python source: a step's code comes from any of it."""
+    h = hashlib.blake2b(digest_size=16)
+    for path in sorted(Path(__file__).parent.glob("*.py")):
+        h.update(path.name.encode() + path.read_bytes())
+    return h.hexdigest()
+
+
+def package_key(name: str, args: tuple, dynamic: bool) -> str:
+    import torch._inductor.config as inductor_config
+
+    settings = {k: getattr(inductor_config, k) for k in CPU_INDUCTOR}
+    parts = [name, f"dynamic {dynamic}", machine(), source_digest(), repr(sorted(settings.items()))] + [describe(a) for a in args]
+    return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
+
+
+def keep_shape_guards(entries) -> list:
+    """A dynamic step keeps the guards on its symbolic sizes (a prompt of one token is not one of many): the package
+    key cannot name a size that changes from call to call."""
+    return [e.guard_type == "SHAPE_ENV" for e in entries]
+
+
+def precompiled(name: str, fn, args: tuple, dynamic: bool = False, log=print) -> tuple:
+    """fn compiled for args (a step of a Generator), loaded from this machine's package if there is one, else compiled
+    now and saved. -> (callable, seconds spent compiling: 0 when loaded). A dynamic step checks its size guards and
+    runs eagerly on sizes outside them."""
+    folder = cache.cache_dir() / PACKAGES
+    key = package_key(name, args, dynamic)
+    path = folder / f"{name}-{key}.pt2"
+    step = load_package(path, key, fn, log)
+    seconds = 0.0
+    if step is None:
+        t0 = time.perf_counter()
+        log(f"compiling the {name.replace('_', ' ')} (once for this machine, model and tree; saved in {folder}) ...")
+        guards = keep_shape_guards if dynamic else torch.compiler.skip_all_guards_unsafe
+        # Floats stay constants: a symbolic float makes the trace restart, which a precompile cannot do.
+        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True):
+            step = compiled(fn, "cpu", options={"guard_filter_fn": guards}, dynamic=dynamic).aot_compile((args, {}))
+        seconds = time.perf_counter() - t0
+        log(f"compiled the {name.replace('_', ' ')} in {seconds:.1f} s")
+        save_package(step, path, key, log)
+    if not dynamic:
+        return step, seconds
+    return (lambda *a: step(*a) if step.guard_check(*a) else fn(*a)), seconds
+
+
+def load_package(path: Path, key: str, fn, log):
+    """The step saved at path, or None (no file; a damaged or mismatched one is said and removed)."""
+    try:
+        data = path.read_bytes()
+    except FileNotFoundError:
+        return None
+    except OSError as e:
+        log(f"warning: cannot read the compiled step {path} ({model.one_line(e)}): compiling it again")
+        return None
+    header, _, payload = data.partition(b"\n")
+    try:
+        if header.decode() != f"eaglet step {key}":
+            raise ValueError("its key does not match its name")
+        return torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=fn.__globals__)
+    except Exception as e:  # noqa: BLE001  (a package is data from disk: whatever is wrong with it, it is rebuilt)
+        log(f"warning: the compiled step {path} is damaged ({model.one_line(e)}): compiling it again")
+        path.unlink(missing_ok=True)
+        return None
+
+
+def save_package(step, path: Path, key: str, log):
+    """Written whole or not at all (a temporary file renamed); a cache directory that takes no files is said once."""
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        payload = type(step).serialize(step).serialized_data
+        tmp.write_bytes(f"eaglet step {key}\n".encode() + payload)
+        os.replace(tmp, path)
+    except OSError as e:
+        tmp.unlink(missing_ok=True)
+        log(f"warning: cannot save the compiled step in {path.parent} ({model.one_line(e)}): the next run compiles it again")

@@ -18,7 +18,7 @@ import quant
 import sizing
 import tp
 from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
-from compiling import choose, compiled, prepare, sizing_compile
+from compiling import choose, compiled, packages_enabled, precompiled, prepare, sizing_compile
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
@@ -48,7 +48,8 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     speculate_k: the sps / lookup chain; draft_vocab: draft over the head's N most frequent tokens (0: all of the
     target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
     (bench.py runs every mode on one). batch: the prompts generate_batch will answer at once; an eagle2 tree left open
-    is sized for that many sequences (smaller, without lookup slots unless given); sampling: for T > 0 (shallower)."""
+    is sized for that many sequences (smaller, without lookup slots unless given); sampling: the Sampling rule generate will
+    run (or True for T > 0): its tree is sampling's (shallower), and compiled steps are built for it before returning."""
     check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab, lookup_slots)
     default = checkpoint is None
     try:
@@ -66,9 +67,13 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     if speculate == "sps" and draft_checkpoint is None:
         raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
     draft_model = load_draft_model(draft_checkpoint, target) if speculate == "sps" else None
-    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch, sampling)
+    rule = sampling if isinstance(sampling, Sampling) else Sampling(1.0) if sampling else GREEDY
+    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch,
+                     rule.temperature > 0)
     tokenizer = load_tokenizer(checkpoint)
-    return Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer), tokenizer
+    gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer)
+    gen.build(rule, log)
+    return gen, tokenizer
 
 
 def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transformer:
@@ -217,15 +222,50 @@ class Generator:
         # generate_batch's steps: every row's cycle (lookup: always with drafts) or decode step in one vmapped call
         self.rows, self.batch_cycle = None, batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
+        # A CPU's steps over packed weights are built by build() before an answer and saved on disk (compiling.precompiled);
+        # other settings (CUDA graphs, --compile max's frozen weights) compile each step at its first call, as torch.compile does.
+        self.packaged, self.built, self.compile_seconds = False, None, 0.0
         if compile:  # True (packed), "max" (compiling.prepare) or "auto" (compiling.choose)
             frozen = prepare(choose(compile, target, log_stderr), self.device, target, head, draft_model)
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
-            self.prefill = compiled(prefill, self.device, frozen, dynamic=True)
-            self.decode_one = compiled(decode_one, self.device, frozen, mode=mode)
+            self.packaged = self.device.type == "cpu" and frozen is None and tp.world_size() == 1 and packages_enabled()
+            if not self.packaged:
+                self.prefill = compiled(prefill, self.device, frozen, dynamic=True)
+                self.decode_one = compiled(decode_one, self.device, frozen, mode=mode)
             if spec:
-                self.cycle, self.batch_cycle = (compiled(f, self.device, frozen, mode=mode) for f in (self.cycle, self.batch_cycle))
-                self.plain_cycle = compiled(lookup_step, self.device, frozen, mode=mode) if spec.mode == "lookup" else lookup_step
+                self.batch_cycle = compiled(self.batch_cycle, self.device, frozen, mode=mode)
+                if not self.packaged:
+                    self.cycle = compiled(self.cycle, self.device, frozen, mode=mode)
+                    self.plain_cycle = compiled(lookup_step, self.device, frozen, mode=mode) if spec.mode == "lookup" else lookup_step
             self.batch_step = compiled(self.batch_step, self.device, frozen, mode=mode)
+
+    def build(self, sampling: Sampling = GREEDY, log=log_stderr):
+        """Every step generate() runs for this sampling rule and cache size, compiled now (or loaded from the last process
+        that compiled it): nothing compiles inside an answer. A no-op unless the Generator's steps are packaged."""
+        if not self.packaged:
+            return
+        self.reserve(1)  # the caches and cycle buffers every step reads, at least at their smallest size
+        if self.built == (sampling, self.target.max_seq_length):
+            return
+        prompt, start = torch.zeros(1, 8, dtype=torch.long, device=self.device), torch.tensor(0, device=self.device)
+        steps = [("prefill", prefill, (self.target, prompt, start), True)]
+        if self.spec is None:
+            steps.append(("decode_step", decode_one, (self.target, prompt[0, :1], start.view(1), sampling), False))
+        else:
+            drafter = self.head if self.head is not None else self.draft_model
+            args = (self.target, drafter, self.state, self.spec, sampling)
+            steps.append((f"{self.spec.mode}_cycle", self.eager_cycle, args, False))
+            if self.spec.mode == "lookup":
+                steps.append(("lookup_step", lookup_step, args, False))
+        built = {}
+        for name, fn, args, dynamic in steps:
+            built[name], seconds = precompiled(name, fn, args, dynamic, log)
+            self.compile_seconds += seconds
+        self.prefill = built["prefill"]
+        self.decode_one = built.get("decode_step", self.decode_one)
+        self.cycle = built.get(f"{self.spec.mode}_cycle", self.cycle) if self.spec else None
+        self.plain_cycle = built.get("lookup_step", self.plain_cycle)
+        self.built = (sampling, self.target.max_seq_length)
 
     @torch.inference_mode(False)  # buffers made alike in and out of generate: an inference tensor fails compiled guards
     def reserve(self, max_len: int) -> bool:
@@ -233,7 +273,8 @@ class Generator:
         target's caches were reallocated (and hold nothing any more)."""
         before = self.target.max_seq_length
         extra = (self.spec.verify_len + self.spec.depth + 2) if self.spec else 1
-        length = find_multiple(max_len + extra, 256)  # rounded up and only grown: compiled steps see few cache shapes
+        # Rounded up and only grown: compiled steps see few cache shapes (packaged ones, each a compile: fewer still).
+        length = find_multiple(max_len + extra, 2048 if self.packaged else 256)
         if self.target.max_seq_length < length:
             self.target.setup_caches(length)
         if self.spec and self.spec.mode not in CHAINS:
@@ -270,6 +311,7 @@ class Generator:
         chat's next turn); the answer is the same as without."""
         self.check(prompt, max_new_tokens)
         fresh = self.reserve(len(prompt) + max_new_tokens)
+        self.build(sampling)  # before the first token; compiles only for a new sampling rule or cache size
         self.target.taps = self.taps  # another Generator may share the target
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
         sync = dtypes.synchronizer(self.device)

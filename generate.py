@@ -11,7 +11,7 @@ import torch
 import tp
 from checkpoint import UsageError, UsageParser
 from compiling import COMPILE_CHOICES
-from eaglet import check_sampling, load_generator
+from eaglet import check_sampling, load_generator, log_stderr
 from prompts import load_conversations
 from speculate import MODES
 from tokenizer import StreamDecoder, encode_prompt
@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, measured once per machine (dtypes.py)")
-    p.add_argument("--compile", nargs="?", const="auto", default=False, choices=COMPILE_CHOICES, help="torch.compile the steps (CUDA graphs on a GPU); on a CPU auto: packed (oneDNN) or max (GEMM templates), whichever ran a decode step faster here (README)")
+    p.add_argument("--compile", nargs="?", const="packed", default=False, choices=COMPILE_CHOICES, help="compile the steps before answering (CUDA graphs on a GPU); on a CPU packed: compiled once per machine and saved, max: Inductor's GEMM templates, auto: the faster of the two, measured (README)")
     p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
@@ -134,8 +134,9 @@ def main(argv=None) -> int:
             raise UsageError(f"--batch-size must be >= 0, got {a.batch_size}")
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots, sampling=a.temperature > 0,
-                                        batch=min(a.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
+                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots, sampling=sampling,
+                                        batch=min(a.batch_size or len(questions), len(questions)) or 1,  # a batch's tree is sized for its rows
+                                        log=(lambda *_: None) if a.json else log_stderr)
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)
@@ -157,7 +158,8 @@ def main(argv=None) -> int:
     if quiet:
         return 0
     text = tokenizer.decode([t for t in result.token_ids if t not in margs.stop_tokens])
-    metrics = result.metrics(gen.spec) | {"dtype": str(gen.target.tok_embeddings.weight.dtype).removeprefix("torch.")}
+    metrics = result.metrics(gen.spec) | {"dtype": str(gen.target.tok_embeddings.weight.dtype).removeprefix("torch."),
+                                           "compile_s": round(gen.compile_seconds, 1)}  # spent before the answer, not in its tok/s
     if a.json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, **metrics}))
     else:

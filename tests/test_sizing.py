@@ -218,12 +218,12 @@ def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
 
     def load_generator(checkpoint, draft, speculate, **kw):
         check_options(speculate, lookup_slots=kw["lookup_slots"])  # load_generator's first check
-        seen.append(sizing.asked_lookup_slots(kw["lookup_slots"], kw["sampling"]))
+        seen.append(sizing.asked_lookup_slots(kw["lookup_slots"], kw["sampling"].temperature > 0))
         raise UsageError("stop here")
 
     def run(a):
         options = bench.mode_options(a, "eagle2")
-        benched.append((a.lookup_slots, sizing.asked_lookup_slots(options["lookup_slots"], options["sampling"])))
+        benched.append((a.lookup_slots, sizing.asked_lookup_slots(options["lookup_slots"], options["sampling"].temperature > 0)))
         raise UsageError("stop here")
 
     monkeypatch.setattr(generate, "load_generator", load_generator)
