@@ -8,7 +8,7 @@ import heapq
 import torch
 from torch import Tensor
 
-from sampling import sample
+from sampling import sample, uniform
 
 # The EAGLE-1 static tree ("mc_sim_7b_63"): 25 draft nodes as paths of top-k ranks, 5 levels deep.
 EAGLE1_TREE = [
@@ -220,7 +220,7 @@ def accept_chain(draft_tokens: Tensor, p: Tensor, q: Tensor):
     k = draft_tokens.shape[0]
     px = p[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[:, None]).squeeze(-1)
-    keep = torch.rand_like(px) * qx < px
+    keep = uniform(px.shape, px.device) * qx < px  # float64: P(keep) = min(1, px / qx)
     accept_len = keep.int().cumprod(0).sum()
     at = accept_len.view(1)
     residual = torch.cat([(p[:k] - q).clamp(min=0), p[k:]]).index_select(0, at)[0]
