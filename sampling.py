@@ -33,12 +33,12 @@ def uniform(shape, device) -> Tensor:
 
 
 def gumbel(shape, device) -> Tensor:
-    """Standard Gumbel noise, float64: argmax(log p + noise) is a draw from p (the Gumbel-max trick). Exact to ~1e-11:
-    a Gumbel's CDF is a monotone map of its uniform's, so within 2^-53 of the true one's; P(draw = i) is
-    E[prod_j F(l_i - l_j + G_i)], each F within 2^-53, the product monotone in G_i: it moves at most V 2^-53 (5e-12 at
-    V = 49152). From float32 uniforms the noise lay in [-2.8, 16.6] and a token below 3.6e-9 of the top one's
-    probability was never drawn; here it spans [-3.6, 36.7]. Adding float32 log-probs promotes them to float64, so
-    ties are not made by rounding either."""
+    """Standard Gumbel noise, float64: argmax(log p + noise) is a draw from p (the Gumbel-max trick). Each token's
+    probability is within V 2^-53 of exact (5e-12 at V = 49152): a Gumbel is a monotone map of its uniform, so its CDF F
+    is within 2^-53 of the true one's; P(draw = i) = E[prod_{j != i} F(l_i - l_j + G_i)] moves at most 2^-53 a factor,
+    and the product is monotone in G_i, so its mean moves at most 2^-53 more. From float32 uniforms the noise lay in
+    [-2.8, 16.6] and a token below 3.6e-9 of the top one's probability was never drawn; here it spans [-3.6, 36.7].
+    Float32 log-probs plus this noise are float64, so rounding makes no ties either."""
     noise = uniform(shape, device).log_().neg_().log_().neg_()  # in place: eager makes no temporaries
     assert noise.dtype == torch.float64  # no float32 uniform feeds a draw at T > 0 (tests/test_sampling.py)
     return noise
