@@ -28,12 +28,15 @@ def own(fn):
     return types.FunctionType(fn.__code__.replace(), fn.__globals__, fn.__name__, fn.__defaults__, fn.__closure__)
 
 
+TRIALS = 15
+
+
 def ms(fn, reps: int) -> float:
-    """The fastest of 15 timings of reps calls each, per call: a shared machine's contention only ever adds time."""
+    """The fastest of TRIALS timings of reps calls each, per call: a shared machine's contention only ever adds time."""
     for _ in range(5):
         fn()
     times = []
-    for _ in range(15):
+    for _ in range(TRIALS):
         t = time.perf_counter()
         for _ in range(reps):
             fn()
@@ -47,7 +50,11 @@ def main():
     p.add_argument("--threads", type=int, default=0)
     p.add_argument("--compile", action="store_true")
     p.add_argument("--reps", type=int, default=20)
+    p.add_argument("--trials", type=int, default=15, help="timings of --reps calls each; the fastest counts")
+    p.add_argument("--noise-only", action="store_true", help="skip the verify draw's timings")
     a = p.parse_args()
+    global TRIALS
+    TRIALS = a.trials
     if a.threads:
         torch.set_num_threads(a.threads)
     rowsmm.available()  # the fp32 argmax kernel, where this CPU runs it
@@ -61,6 +68,8 @@ def main():
             compiled = {d: torch.compile(own(lambda d=d: fn((d + 1, a.vocab), "cpu")), fullgraph=True, dynamic=False) for d in range(2, 7)}
             row = [ms(compiled[d], a.reps) for d in range(2, 7)]
             print(f"  compiled {name:<19}" + "".join(f"{t:9.3f}" for t in row))
+    if a.noise_only:
+        return
     # the verify's draw: m+1 rows at depth 6, each row's noise row by its depth
     print("verify draw argmax(l/T + noise[depths]), ms:" + "".join(f"{f'm{m}':>9}" for m in (8, 16, 60)))
     for name, fn in kinds.items():
