@@ -804,10 +804,11 @@ def argmax(logits: Tensor) -> Tensor:
     return torch.ops.eaglet.argmax(logits) if serves(logits) else torch.argmax(logits, dim=-1)
 
 
-def sample(logits: Tensor, temperature: float) -> Tensor:
+def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
     """One draw per row of softmax(logits / temperature) by eaglet::sample (callers ask serves first): sampling.sample's
-    inverse CDF, one float64 uniform a row, the softmax's exponentials in C++ and never a probability tensor."""
-    u = torch.rand(logits.shape[:-1], dtype=torch.float64, device=logits.device)
+    inverse CDF, one float64 uniform a row in (0, 1) (sampling.uniform), the softmax's exponentials in C++ and never a
+    probability tensor."""
+    assert u.dtype == torch.float64 and u.shape == logits.shape[:-1]
     return torch.ops.eaglet.sample(logits, u, 1.0 / temperature)
 
 

@@ -23,15 +23,33 @@ def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: f
     return probs
 
 
+def uniform(shape, device) -> Tensor:
+    """float64 uniforms in (0, 1), for every draw at T > 0: (2k + 1) / 2^53 for k uniform in [0, 2^52), the midpoint of
+    one of 2^52 equal cells (exact in float64), so never 0 or 1 (log(0)) and within 2^-53 of a true uniform's CDF
+    everywhere. Built from random integers because torch.rand is not float64 compiled: Inductor's rand (C++ and Triton)
+    is a float32 draw at any dtype (k/2^24 near 1), where its randint is 64 random bits (modulo 2^52: unbiased)."""
+    k = torch.randint(0, 1 << 52, shape, dtype=torch.long, device=device)
+    return k.double().mul_(2.0 ** -52).add_(2.0 ** -53)  # each step exact: k < 2^53, a power of two, then the odd bit
+
+
 def gumbel(shape, device) -> Tensor:
-    """Standard Gumbel noise: argmax(log p + noise) is a draw from p (the Gumbel-max trick)."""
-    return -torch.log(-torch.log(torch.rand(shape, device=device)))
+    """Standard Gumbel noise, float64: argmax(log p + noise) is a draw from p (the Gumbel-max trick). Each token's
+    probability is within V 2^-53 of exact (5e-12 at V = 49152): a Gumbel is a monotone map of its uniform, so its CDF F
+    is within 2^-53 of the true one's; P(draw = i) = E[prod_{j != i} F(l_i - l_j + G_i)] moves at most 2^-53 a factor,
+    and the product is monotone in G_i, so its mean moves at most 2^-53 more. From float32 uniforms the noise lay in
+    [-2.8, 16.6] and a token below 3.6e-9 of the top one's probability was never drawn; here it spans [-3.6, 36.7].
+    Float32 log-probs plus this noise are float64, so rounding makes no ties either."""
+    noise = uniform(shape, device).log_().neg_().log_().neg_()  # in place: eager makes no temporaries
+    assert noise.dtype == torch.float64  # no float32 uniform feeds a draw at T > 0 (tests/test_sampling.py)
+    return noise
 
 
 def sample(probs: Tensor) -> Tensor:
-    """One draw per row of probs (unnormalised is fine), no host sync: inverse CDF, one uniform a row (1 ms of a 16-row verify; an exponential race, 7)."""
+    """One draw per row of probs (unnormalised is fine), no host sync: inverse CDF, one uniform a row (1 ms of a 16-row
+    verify; an exponential race, 7). u in (0, 1) times the total stays below it in float64, so the draw is a token with
+    mass (the clamp is never needed) and never one before the first with mass."""
     cdf = probs.double().cumsum(-1)
-    u = torch.rand(probs.shape[:-1] + (1,), dtype=cdf.dtype, device=probs.device) * cdf[..., -1:]
+    u = uniform(probs.shape[:-1] + (1,), probs.device) * cdf[..., -1:]
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
@@ -44,7 +62,7 @@ def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
         scaled = logits_to_probs(logits, temperature, top_k, top_p).log() if top_k or top_p < 1.0 else logits.float() / temperature
         return rowsmm.argmax(scaled + noise)
     if not top_k and top_p >= 1.0 and rowsmm.serves(logits):
-        return rowsmm.sample(logits, temperature)
+        return rowsmm.sample(logits, temperature, uniform(logits.shape[:-1], logits.device))
     return sample(logits_to_probs(logits, temperature, top_k, top_p))
 
 

@@ -74,13 +74,16 @@ def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int 
     return cycle / (1.0 if batch == 1 else verify_cost(costs, batch))
 
 
-def ranked_trees(costs: dict, m=None, depth=None, k=None, a=None, lookup=None, batch: int = 1, sampling: bool = False) -> list:
+def ranked_trees(costs: dict, m=None, depth=None, k=None, a=None, lookup=None, batch: int = 1, sampling: bool = False,
+                 vocab=None) -> list:
     """(m, depth, k) options, keeping any that are given, best first by expected tokens per decode step of
     time; m never exceeds the pool of k + (depth-1) k^2 candidates. lookup: the trees' lookup slots (None: lookup_slots');
     batch: the sequences a cycle runs at once (generate_batch), each with its own tree, against a step of that many rows;
-    a: the prior (None: RANK_ACCEPT; when sampling RANK_ACCEPT_SAMPLING, and k from TOPK_SAMPLING)."""
+    a: the prior (None: RANK_ACCEPT; when sampling RANK_ACCEPT_SAMPLING, and k from TOPK_SAMPLING); vocab: the draft
+    vocabulary, which no k chosen here exceeds (a level cannot take more children of a node than it has tokens)."""
     a = a or rank_accept(sampling)
-    grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, [k] if k else TOPK_SAMPLING if sampling else TOPK_CHOICES)
+    ks = [k] if k else sorted({min(c, vocab or c) for c in (TOPK_SAMPLING if sampling else TOPK_CHOICES)})
+    grid = product([m] if m else M_CHOICES, [depth] if depth else DEPTH_CHOICES, ks)
     options = [(m, d, k) for m, d, k in grid if m <= k + (d - 1) * k * k and lookup_slots(d, lookup, batch) <= d]
     if not options:
         if lookup is not None and lookup > (depth or max(DEPTH_CHOICES)):
@@ -118,7 +121,8 @@ def _target_pass(target, tokens, pos, mask):
 
 def _head_level(target, head, tokens, feats, pos, mask):
     h = head(tokens[None], target.tok_embeddings.weight, feats, pos, pos, mask)[0]
-    return torch.topk(torch.log_softmax(head.logits(h, target.output).float(), -1), min(tokens.shape[0], 10))
+    logits = head.logits(h, target.output)
+    return torch.topk(torch.log_softmax(logits.float(), -1), min(tokens.shape[0], 10, logits.shape[-1]))
 
 
 @torch.inference_mode()
@@ -241,4 +245,5 @@ def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn
     costs = device_costs(target, head, log, compile_fn)
     if swept_key(sampling) in costs and not (m or depth or k) and batch == 1:
         return tuple(costs[swept_key(sampling)])
-    return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling)[0]
+    vocab = len(head.draft_vocab) or target.args.vocab_size
+    return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling, vocab=vocab)[0]

@@ -12,6 +12,7 @@ from torch._inductor.utils import run_and_get_code
 
 import quant
 import rowsmm
+import sampling
 
 pytestmark = pytest.mark.skipif(not rowsmm.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16")
 
@@ -330,7 +331,7 @@ def test_sample_is_the_inverse_cdf_draw():
     live = expected > 5
 
     def chi2(temperature):
-        draws = rowsmm.sample(logits.expand(200_000, 37).contiguous(), temperature)
+        draws = rowsmm.sample(logits.expand(200_000, 37).contiguous(), temperature, sampling.uniform((200_000,), "cpu"))
         counts = torch.bincount(draws, minlength=37).double()
         return (((counts - expected) ** 2)[live] / expected[live]).sum().item(), counts[3].item()
 
@@ -340,9 +341,9 @@ def test_sample_is_the_inverse_cdf_draw():
     x = torch.randn(64, 100)
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        out, (code, *_) = run_and_get_code(torch.compile(lambda x: rowsmm.sample(x * 2, 0.5), fullgraph=True, dynamic=False), x)
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: rowsmm.sample(x * 2, 0.5, sampling.uniform(x.shape[:-1], x.device)), fullgraph=True, dynamic=False), x)
     assert out.shape == (64,) and "eaglet.sample" in code
-    rows = torch.vmap(lambda x: rowsmm.sample(x, 1.0), randomness="different")(x.view(4, 16, 100))
+    rows = torch.vmap(lambda x: rowsmm.sample(x, 1.0, sampling.uniform(x.shape[:-1], x.device)), randomness="different")(x.view(4, 16, 100))
     assert rows.shape == (4, 16) and ((rows >= 0) & (rows < 100)).all()
 
 

@@ -8,6 +8,7 @@ from torch.fx.experimental.symbolic_shapes import statically_known_true
 import cache
 import model
 import sizing
+from draft import use_draft_vocab
 from eaglet import Generator, tree_spec
 from sampling import Sampling
 from speculate import TreeSpec
@@ -103,6 +104,19 @@ def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tin
     prompt = list(range(5))
     ref = Generator(target).generate(prompt, 20, Sampling()).token_ids
     assert Generator(target, TreeSpec("eagle2", depth, k, m), head=head).generate(prompt, 20, Sampling()).token_ids == ref
+
+
+def test_a_draft_vocabulary_below_the_topk_choices_is_sized_within_it(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+    # --draft-vocab 6 under the k choices of 10: the measurement and the tree stay within the vocabulary, and it samples
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    head.draft_vocab = torch.arange(6)
+    use_draft_vocab(head, target.output)
+    for sampling in (False, True):
+        m, depth, k = sizing.measure_tree(target, head, sampling=sampling)
+        assert k <= 6
+        spec = TreeSpec("eagle2", depth, k, m)
+        assert len(Generator(target, spec, head=head).generate(list(range(5)), 12, Sampling(float(sampling)), stop_ids=[]).token_ids) == 12
 
 
 def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tiny_args, random_model, random_head):

@@ -11,6 +11,7 @@ import sampling
 import spectree
 import speculate
 import quant
+import rowsmm
 from draft import EagleHead, use_draft_vocab
 from eaglet import Generator
 from sampling import Sampling
@@ -250,7 +251,11 @@ def small_vocab(single_thread, tiny_args, random_model, random_head):
     # A head of std 0.5 drafts with some confidence: a near-uniform one's coupled trees are chosen by the noise alone, and
     # a fresh bonus draw (below) moved the eagle2 counts only to p = 2e-3.
     head = random_head(args, seed=1, std=0.5)
-    return SimpleNamespace(target=target, generator=lambda mode: make_generator(target, SAMPLING_SPECS[mode], head, draft))
+    # A head of std 0.1 drafts within a few nats: the Gumbels reorder its candidates, so its coupled trees follow the
+    # noise (std 0.5's never did: its draft logits span far more than the noise), and they accept 2 and 3 deep often.
+    noisy_head = random_head(args, seed=1, std=0.1)
+    return SimpleNamespace(target=target, generator=lambda mode: make_generator(target, SAMPLING_SPECS[mode], head, draft),
+                           noisy_generator=lambda mode: make_generator(target, SAMPLING_SPECS[mode], noisy_head, draft))
 
 
 def exact_distribution(model, sampling, prompt, n=3):
@@ -271,16 +276,21 @@ def exact_distribution(model, sampling, prompt, n=3):
     return joint
 
 
-def sample_first_tokens(gen, sampling, prompt=PROMPT):
-    """Counts of the first 3 tokens over SAMPLES runs, and the summed accept-length histogram."""
+def sample_first_tokens(gen, sampling, prompt=PROMPT, n=3, first_trees=None):
+    """Counts of the first n tokens over SAMPLES runs, and the summed accept-length histogram. first_trees: a list
+    that gets each run's (first token, first cycle's tree tokens)."""
     # Any seed serves. Seed 0 drew a p = 6e-5 outlier in the EAGLE-3 T=1 test once sampling.sample became an inverse
     # CDF (RNG consumed differently); 10x the samples gave p 0.38, 0.18, 0.48 on seeds 0-2: chance, not a bias.
     torch.manual_seed(1)
-    counts, hist = torch.zeros([V] * 3), 0
+    counts, hist = torch.zeros([V] * n), 0
     for _ in range(SAMPLES):
-        result = gen.generate(prompt, 3, sampling)
+        trees = []
+        lap = (lambda name, **t: name == "accept" and trees.append(tuple(t["tokens"].tolist()))) if first_trees is not None else None
+        result = gen.generate(prompt, n, sampling, stop_ids=[], lap=lap)
         counts[tuple(result.token_ids)] += 1
         hist = hist + torch.tensor(result.accept_hist or [0])
+        if first_trees is not None and trees:
+            first_trees.append((result.token_ids[0], trees[0]))
     return counts, hist
 
 
@@ -335,6 +345,111 @@ def test_sampling_test_rejects_one_noise_for_every_depth(small_vocab, chi2_pvalu
     monkeypatch.setattr(speculate, "gumbel", lambda shape, device: real(shape[1:], device).expand(shape))
     counts, _ = sample_first_tokens(small_vocab.generator(mode), T1)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
+
+
+def off_their_prefixs_usual_tree(first_trees) -> float:
+    """The share of runs whose first tree is not the one most often drafted after the same first token."""
+    by_first = {}
+    for first, tree in first_trees:
+        by_first.setdefault(first, []).append(tree)
+    return sum(len(t) - max(t.count(x) for x in set(t)) for t in by_first.values()) / len(first_trees)
+
+
+@pytest.mark.parametrize("mode", ["eagle2", "eagle"])
+def test_sampling_follows_the_target_where_the_noise_shapes_the_trees(small_vocab, chi2_pvalue, mode):
+    # Four tokens: the fourth is often a cycle's draw at depth 2 (noise row 2) or the KV after a 2-token acceptance.
+    # (A thousand runs see a wrong coupling only where it is gross; tests/test_sampling.py's 100k Markov runs see them.)
+    trees = []
+    counts, hist = sample_first_tokens(small_vocab.noisy_generator(mode), T1, n=4, first_trees=trees)
+    assert off_their_prefixs_usual_tree(trees) > 0.5  # the noise changes most trees
+    assert hist[2:].sum() > 0.15 * hist.sum() and hist[0] > 0
+    joint = exact_distribution(small_vocab.target, T1, PROMPT, n=4)
+    assert chi2_pvalue(counts.sum(-1), joint.sum(-1)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
+
+
+T06 = Sampling(0.6)  # no top-k or top-p: the draw the C++ kernel serves (rowsmm.sample), else sampling.sample
+
+
+@pytest.fixture(params=[True, False], ids=["cpp-draw", "torch-draw"])
+def cpp_draw(request, monkeypatch):
+    """Forces the draws without noise through eaglet::sample (skipped where it does not build) or torch's inverse CDF;
+    -> the calls rowsmm.sample took."""
+    if request.param and not rowsmm.available():
+        pytest.skip("the C++ kernels do not run here")
+    monkeypatch.setattr(rowsmm, "ATTENDS", request.param)
+    calls, real = [], rowsmm.sample
+    monkeypatch.setattr(rowsmm, "sample", lambda *a: calls.append(1) or real(*a))
+    return calls
+
+
+@pytest.mark.parametrize("mode", ["none", "lookup"])
+def test_sampling_at_a_temperature_below_1_follows_the_target(small_vocab, chi2_pvalue, cpp_draw, mode):
+    # T = 0.6 against 1/0.6: a wrapper passing T where the kernel wants 1/T fails this (below), T = 1 cannot tell
+    gen = Generator(small_vocab.target) if mode == "none" else small_vocab.generator(mode)
+    counts, _ = sample_first_tokens(gen, T06)
+    assert bool(cpp_draw) == rowsmm.ATTENDS
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) > 1e-3
+
+
+def test_the_temperature_test_rejects_the_cpp_draw_at_the_inverse_temperature(small_vocab, chi2_pvalue, monkeypatch):
+    if not rowsmm.available():
+        pytest.skip("the C++ kernels do not run here")
+    monkeypatch.setattr(rowsmm, "sample", lambda logits, temperature, u: torch.ops.eaglet.sample(logits, u, temperature))
+    counts, _ = sample_first_tokens(Generator(small_vocab.target), T06)
+    assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) < 1e-3
+
+
+TOP_K = Sampling(0.8, top_k=3)
+
+
+@pytest.mark.parametrize("mode", ["none", "eagle2", "sps"])
+def test_top_k_sampling_follows_the_target_distribution(small_vocab, chi2_pvalue, mode):
+    gen = Generator(small_vocab.target) if mode == "none" else small_vocab.noisy_generator(mode)
+    counts, hist = sample_first_tokens(gen, TOP_K)
+    if mode != "none":
+        assert hist[0] > 0 and hist[1:].sum() > 0
+    expected = exact_distribution(small_vocab.target, TOP_K, PROMPT)
+    assert int((expected > 0).sum()) == 27 and chi2_pvalue(counts, expected) > 1e-3  # 3 tokens a step, no more
+
+
+def identical_answers(small_vocab, rows: int) -> tuple:
+    """generate_batch over rows copies of PROMPT at T=1 (eagle2, noise-shaped trees): among pairs of rows that drew the
+    same first token, the share whose next three tokens are identical too, and that share if the rows are independent."""
+    torch.manual_seed(0)
+    answers = [tuple(r.token_ids) for r in small_vocab.noisy_generator("eagle2").generate_batch([PROMPT] * rows, 4, T1, stop_ids=[])]
+    same = [a[1:] == b[1:] for a, b in itertools.combinations(answers, 2) if a[0] == b[0]]
+    joint = exact_distribution(small_vocab.target, T1, PROMPT, n=4).flatten(1)
+    first = joint.sum(-1)
+    independent = (joint ** 2).sum() / (first ** 2).sum()  # P(rest equal | first equal) for independent rows
+    return sum(same) / len(same), independent.item()
+
+
+def test_two_rows_with_one_prompt_answer_independently(small_vocab):
+    observed, independent = identical_answers(small_vocab, 120)
+    assert abs(observed - independent) < 0.1, (observed, independent)
+
+
+def test_the_independence_test_rejects_rows_sharing_their_noise(small_vocab, monkeypatch):
+    real = torch.vmap
+    monkeypatch.setattr(torch, "vmap", lambda fn, **kw: real(fn, **(kw | {"randomness": "same"})))  # batch.batched's
+    observed, independent = identical_answers(small_vocab, 120)
+    assert abs(observed - independent) > 0.1, (observed, independent)
+
+
+def test_a_draft_vocabulary_narrower_than_a_level_is_served_when_sampling(tiny):
+    # Sampling's levels take widths[level] nodes, up to twice topk: 10 and 15 here, over a draft vocabulary of 8
+    spec = TreeSpec("eagle2", 4, 8, 40)
+    assert max(spec.widths) > 8
+    vocab = torch.randperm(tiny.target.args.vocab_size, generator=torch.Generator().manual_seed(3))[:8]
+    head = copy.deepcopy(tiny.head)
+    head.draft_vocab = vocab
+    use_draft_vocab(head, tiny.target.output)
+    gen, trees = Generator(tiny.target, spec, head=head), []
+    torch.manual_seed(0)
+    lap = lambda name, **t: name == "accept" and trees.append(t["tokens"][1:].tolist())  # noqa: E731
+    assert len(gen.generate(tiny.prompt, 30, T1, stop_ids=[], lap=lap).token_ids) == 30
+    assert trees and all(len(t) == spec.num_draft_tokens and set(t) <= set(vocab.tolist()) for t in trees)
+    assert gen.generate(tiny.prompt, NEW_TOKENS, GREEDY).token_ids == tiny.ref
 
 
 def test_sampling_test_rejects_a_replacement_drawn_from_p(small_vocab, chi2_pvalue, monkeypatch, accept_chain_replacing_from_p):

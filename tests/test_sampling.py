@@ -1,0 +1,359 @@
+# Sampling's randomness (sampling.uniform, sampling.gumbel) and the coupled drafts' exactness in distribution, checked
+# through speculate's real cycle on a toy Markov chain (pure tensors, 100k samples vmapped at once as batch.py runs rows).
+from types import SimpleNamespace
+
+import pytest
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+import batch
+import rowsmm
+import sampling
+import spectree
+import speculate
+from draft import DraftHead
+from eaglet import Generator
+from sampling import Sampling
+from speculate import SpecState, TreeSpec
+
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+DEVICES = ["cpu", pytest.param("cuda", marks=pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a GPU"))]
+
+
+# ---- the noise: float64 uniforms of 52 random bits, eager, vmapped and compiled ----
+
+def check_uniforms(u: torch.Tensor, chi2_pvalue):
+    """u: float64, every value an odd multiple of 2^-53 in (0, 1) (a float32 above 2^-29 has at most 24 significant bits,
+    so none is one: torch.rand's k/2^24, Inductor's float32 rand at any dtype), its 52 bits uniform high and low."""
+    assert u.dtype == torch.float64
+    k = (u * 2.0 ** 53).cpu()
+    assert bool(((k > 0) & (k < 2.0 ** 53) & (k % 2 == 1)).all())
+    k = ((k.long() - 1) // 2).flatten()  # the 52-bit integer
+    for bits in (k >> 44, k & 255, (k >> 20) & 255):  # the top, bottom and middle bytes
+        assert chi2_pvalue(torch.bincount(bits, minlength=256), torch.full((256,), 1 / 256)) > 1e-4
+
+
+@pytest.mark.parametrize("device", DEVICES)
+def test_uniforms_have_52_random_bits_eager_vmapped_and_compiled(device, chi2_pvalue):
+    shape = (4, 50_000)
+    check_uniforms(sampling.uniform(shape, device), chi2_pvalue)
+    rows = torch.vmap(lambda x: sampling.uniform(shape[1:], device) + x, randomness="different")(torch.zeros(4, 1, dtype=torch.float64, device=device))
+    check_uniforms(rows, chi2_pvalue)
+    assert not torch.equal(rows[0], rows[1])
+    torch._dynamo.reset()
+
+    def step(logits):  # what a compiled cycle draws: uniforms, the Gumbels, a coupled draw and an inverse-CDF one
+        noise = sampling.gumbel(logits.shape, logits.device)
+        return sampling.uniform(shape, logits.device), noise, sampling.draw(logits, 1.0, noise=noise), sampling.sample(logits.softmax(-1))
+
+    u, noise, coupled, drawn = torch.compile(step, fullgraph=True, dynamic=False)(torch.zeros(3, 49152, device=device))
+    check_uniforms(u, chi2_pvalue)
+    assert noise.dtype == torch.float64 and bool(noise.isfinite().all())
+    assert torch.equal(coupled, noise.argmax(-1)) and drawn.shape == (3,)
+
+
+def test_the_extreme_uniforms_give_finite_gumbels_and_draws_of_tokens_with_mass(monkeypatch):
+    # k = 0 and 2^52 - 1 in turn, u = 2^-53 and 1 - 2^-53: log(0) nowhere, the noise spans [-3.6, 36.7] (float32's
+    # [-2.8, 16.6]), and the inverse CDF never lands on a token without mass at either end
+    def extremes(low, high, shape, **kw):
+        n = torch.Size(shape).numel()
+        return torch.tensor([0, high - 1], device=kw.get("device")).repeat(n)[:n].view(shape)
+
+    monkeypatch.setattr(torch, "randint", extremes)
+    assert sampling.uniform((2,), "cpu").tolist() == [2.0 ** -53, 1 - 2.0 ** -53]
+    noise = sampling.gumbel((2,), "cpu")
+    assert noise.dtype == torch.float64 and noise.tolist() == pytest.approx([-3.6037, 36.7368], abs=1e-4)
+    probs = torch.tensor([[0.0, 0.3, 0.7, 0.0], [0.0, 1 / 3, 1 / 3, 0.0]])
+    assert sampling.sample(probs.repeat_interleave(2, 0)).tolist() == [1, 2, 1, 2]
+
+
+def test_gumbels_follow_the_gumbel_law(chi2_pvalue):
+    torch.manual_seed(0)
+    noise = sampling.gumbel((200_000,), "cpu")
+    edges = torch.tensor([-2.0, -1.0, -0.5, 0.0, 0.5, 1.0, 2.0, 3.0, 5.0, 8.0], dtype=torch.float64)
+    cdf = torch.cat([torch.zeros(1, dtype=torch.float64), torch.exp(-torch.exp(-edges)), torch.ones(1, dtype=torch.float64)])
+    assert chi2_pvalue(torch.bincount(torch.bucketize(noise, edges), minlength=11), cdf.diff()) > 1e-3
+
+
+@pytest.fixture
+def no_torch_rand(monkeypatch):
+    """torch.rand and torch.rand_like raise: every draw at T > 0 takes sampling.uniform's float64 uniforms instead."""
+    def refuse(*args, **kwargs):
+        raise AssertionError("a draw at T > 0 read torch.rand (float32 when compiled)")
+
+    for name in ("rand", "rand_like"):
+        monkeypatch.setattr(torch, name, refuse)
+
+
+@pytest.mark.parametrize("kernels", [True, False], ids=["cpp-draw", "torch-draw"])
+@pytest.mark.parametrize("mode", ["none", "eagle2", "eagle", "sps", "lookup", "eagle2-lookup"])
+def test_no_draw_at_t_above_0_reads_torch_rand(tiny_args, random_model, random_head, no_torch_rand, monkeypatch, mode, kernels):
+    if kernels and not rowsmm.available():
+        pytest.skip("the C++ draw does not run here")
+    monkeypatch.setattr(rowsmm, "ATTENDS", kernels and rowsmm.ATTENDS)
+    args = tiny_args()
+    target = random_model(args, seed=0)
+    spec = {"none": None, "eagle2": TreeSpec("eagle2", 3, 4, 8), "eagle": TreeSpec.static(), "sps": TreeSpec.chain("sps", 3),
+            "lookup": TreeSpec.chain("lookup", 3), "eagle2-lookup": TreeSpec("eagle2", 3, 4, 8, lookup_slots=3)}[mode]
+    gen = Generator(target, spec, head=random_head(args, seed=1) if spec and spec.mode.startswith("eagle") else None,
+                    draft_model=random_model(args, seed=2) if mode == "sps" else None)
+    for s in (Sampling(1.0), Sampling(0.7, top_k=5), Sampling(0.8, top_p=0.9)):
+        assert len(gen.generate([1, 2, 3, 1, 2], 12, s, stop_ids=[]).token_ids) == 12
+
+
+# ---- the coupling, exact in distribution: a Markov chain target and head through speculate.tree_cycle ----
+#
+# The target's next-token logits after a token are a fixed row (a Markov chain over V tokens), the head's are another
+# chain's, close to it but not equal, over a draft vocabulary of V - 1 tokens in another order (noise[:, draft_vocab]).
+# Both are modules speculate calls as it calls real ones (no KV: nothing depends on more than the last token). SAMPLES
+# runs of the real cycle from one root, vmapped at once by batch.batched (the code generate_batch runs), commit their
+# first 4 tokens, whose law is P(t1..t4) = p(root, t1) p(t1, t2) p(t2, t3) p(t3, t4): V^4 cells for a chi-square test.
+# Four tokens take the trees to depth >= 3 and the noise rows >= 2 (one cycle can commit all four). The broken couplings
+# below must fail it, the real code pass.
+
+V = 6
+ROOT = 2
+SAMPLES = 100_000
+
+
+class MarkovTarget(nn.Module):
+    """speculate's target interface: (logits, features) of a pass, the row of each token; no KV to keep."""
+
+    def __init__(self, logits: torch.Tensor, max_seq_length: int):
+        super().__init__()
+        self.args = SimpleNamespace(vocab_size=logits.shape[0])
+        self.max_seq_length = max_seq_length
+        self.tok_embeddings = nn.Embedding(1, 1)  # read by the cycle, used by no head here
+        self.output = nn.Identity()
+        self.register_buffer("table", logits)
+
+    def forward(self, tokens, input_pos, cache_pos, mask):
+        return self.table[tokens], F.one_hot(tokens, self.table.shape[0]).float()
+
+    def keep_kv(self, rows, dst):
+        pass
+
+
+class MarkovHead(DraftHead):
+    """A DraftHead whose feature is its token (one-hot) and whose draft logits over draft_vocab are that token's row."""
+
+    def __init__(self, logits: torch.Tensor, draft_vocab: torch.Tensor, max_seq_length: int):
+        super().__init__(SimpleNamespace(), len(draft_vocab))
+        self.draft_vocab.copy_(draft_vocab)
+        self.lm_head = nn.Identity()  # drafts over draft_vocab: target_ids maps through it
+        self.max_seq_length = max_seq_length
+        self.register_buffer("table", logits[:, draft_vocab])
+
+    def forward(self, tokens, embedding, feature, input_pos, cache_pos, mask):
+        return F.one_hot(tokens, self.table.shape[0]).float()
+
+    def logits(self, h, target_output):
+        return h @ self.table
+
+
+def markov_chain():
+    g = torch.Generator().manual_seed(0)
+    logp = torch.log_softmax(1.5 * torch.randn(V, V, generator=g), -1)
+    logq = torch.log_softmax(logp + 0.5 * torch.randn(V, V, generator=g), -1)  # q near p: the noise decides the trees
+    return logp, logq, torch.randperm(V, generator=g)[: V - 1]
+
+
+def de_bruijn(n: int) -> list:
+    """Every pair of n tokens once, then the first again: the text's last 2-gram has always occurred (lookup slots)."""
+    a, out = [0] * 3 * n, []
+
+    def db(t, p):
+        if t > 2:
+            out.extend(a[1:p + 1] if 2 % p == 0 else [])
+            return
+        a[t] = a[t - p]
+        db(t + 1, p)
+        for j in range(a[t - p] + 1, n):
+            a[t] = j
+            db(t + 1, t)
+
+    db(1, 1)
+    return out + out[:1]
+
+
+VMAP = torch.vmap  # the rows' own vmap (a broken variant below patches torch.vmap, which batch.batched calls)
+
+
+def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chain=None, cycles: int = 4):
+    """The first 4 tokens that n runs of speculate.tree_cycle from ROOT commit, [n, 4], and the cycles' accept-length
+    histogram. Every run is a row of batch.batched; pairs: n/2 batches of 2 rows with one prompt (batch.batched inside
+    a vmap over the batches), rows 2i and 2i+1 one batch's. chain: (log p, log q, draft vocabulary), markov_chain()'s
+    by default. Each cycle commits a token at least; only the batches still short of 4 run again, up to cycles."""
+    logp, logq, draft_vocab = chain or markov_chain()
+    prompt = de_bruijn(V) if spec.lookup_slots else [0, 1]
+    length = len(prompt) + (cycles + 1) * (spec.depth + 1) + 2
+    target, head = MarkovTarget(logp, length), MarkovHead(logq, draft_vocab, length + spec.scratch)
+    st = SpecState(spec, V, "cpu")
+    if spec.history:
+        st.register_buffer("history", torch.zeros(length, dtype=torch.long))
+        st.history[: len(prompt) + 1] = torch.tensor(prompt + [ROOT])
+    st.L.fill_(len(prompt))
+    st.root.fill_(ROOT)
+    st.n_pend.fill_(1)
+    st.pend_tok[0] = ROOT
+    group = 2 if pairs else 1
+    rows = {name: b.expand(n // group, group, *b.shape).clone() for name, b in st.named_buffers()}
+    cycle = batch.batched(speculate.tree_cycle)
+
+    def step(sub: dict) -> torch.Tensor:  # -> [batches, group, depth + 2], sub's rows updated in place
+        if not pairs:
+            flat = {name: v[:, 0] for name, v in sub.items()}
+            return cycle(target, head, st, ({}, {}, flat), torch.ones(len(flat["L"]), dtype=torch.bool), (), spec, samp)[:, None]
+        return VMAP(lambda r: cycle(target, head, st, ({}, {}, r), torch.ones(2, dtype=torch.bool), (), spec, samp), randomness="different")(sub)
+
+    toks = torch.zeros(n // group, group, 5, dtype=torch.long)  # column 4 takes the tokens past the 4th
+    count = torch.zeros(n // group, group, dtype=torch.long)
+    hist = torch.zeros(spec.depth + 1, dtype=torch.long)
+    j = torch.arange(spec.depth + 1)
+    for _ in range(cycles):
+        need = (count < 4).any(-1).nonzero().flatten()
+        if not len(need):
+            break
+        sub = {name: v[need] for name, v in rows.items()}
+        out = step(sub)
+        for name, v in rows.items():
+            v[need] = sub[name]
+        accept = out[..., 0]
+        hist += torch.bincount(accept.flatten(), minlength=spec.depth + 1)
+        pos = torch.where(j <= accept[..., None], (count[need][..., None] + j).clamp(max=4), 4)
+        toks[need] = toks[need].scatter(-1, pos, out[..., 1:])
+        count[need] += accept + 1
+    return toks[..., :4].reshape(n, 4), hist
+
+
+def exact_law(samp: Sampling) -> torch.Tensor:
+    """P(t1, t2, t3, t4) from ROOT, [V] * 4."""
+    p = samp.probs(markov_chain()[0]).double()
+    return p[ROOT][:, None, None, None] * p[:, :, None, None] * p[None, :, :, None] * p[None, None, :, :]
+
+
+def law_pvalue(toks: torch.Tensor, samp: Sampling, chi2_pvalue) -> float:
+    cells = ((toks[:, 0] * V + toks[:, 1]) * V + toks[:, 2]) * V + toks[:, 3]
+    return chi2_pvalue(torch.bincount(cells, minlength=V ** 4), exact_law(samp))
+
+
+T1 = Sampling(1.0)
+COUPLED = {  # eagle2 widths (3, 3, 3, 1): 4 levels; the static tree 5
+    "eagle2": (TreeSpec("eagle2", 4, 4, 10), T1),
+    "eagle": (TreeSpec.static(), T1),
+    "eagle2-lookup": (TreeSpec("eagle2", 4, 4, 10, lookup_slots=3), T1),
+    "eagle2-T0.7-top-k4": (TreeSpec("eagle2", 4, 4, 10), Sampling(0.7, top_k=4)),
+    # widths (3, 6, 4, 1): level 2 wider than the draft vocabulary of V - 1 = 5 (--draft-vocab below a level's width)
+    "eagle2-wider-than-the-draft-vocabulary": (TreeSpec("eagle2", 4, 4, 14), T1),
+}
+PVALUES = {}  # case -> p-value, for a report of the figures
+
+
+@pytest.mark.parametrize("mode", COUPLED)
+def test_coupled_cycles_commit_the_targets_law(mode, chi2_pvalue):
+    spec, samp = COUPLED[mode]
+    torch.manual_seed(0)
+    toks, hist = run_cycles(spec, samp, SAMPLES)
+    # the trees hang on the noise: cycles reject at the root, and accept 3 or more deep, both often
+    assert hist[0] > 0.005 * hist.sum() and hist[3:].sum() > 0.2 * hist.sum()
+    PVALUES[mode] = p = law_pvalue(toks, samp, chi2_pvalue)
+    assert p > 1e-3
+
+
+def pair_pvalues(toks: torch.Tensor, chi2_pvalue) -> tuple:
+    """Both rows' 4-token law (n samples), and the two rows' first 2 tokens against the product of their laws."""
+    two = exact_law(T1).sum((2, 3)).flatten()  # P(t1, t2)
+    a, b = toks[0::2, :2], toks[1::2, :2]
+    joint = torch.bincount((a[:, 0] * V + a[:, 1]) * V * V + b[:, 0] * V + b[:, 1], minlength=V ** 4)
+    return law_pvalue(toks, T1, chi2_pvalue), chi2_pvalue(joint, two[:, None] * two[None, :])
+
+
+def test_two_rows_of_a_batch_with_one_prompt_sample_independently(chi2_pvalue):
+    torch.manual_seed(0)
+    toks, _ = run_cycles(COUPLED["eagle2"][0], T1, SAMPLES, pairs=True)
+    PVALUES["batch-of-2"], PVALUES["batch-of-2-joint"] = law, joint = pair_pvalues(toks, chi2_pvalue)
+    assert law > 1e-3 and joint > 1e-3
+
+
+@pytest.mark.parametrize("samp", [T1, Sampling(0.7)], ids=["T1", "T0.7"])
+@pytest.mark.parametrize("mode", ["eagle2", "eagle", "eagle2-lookup"])
+def test_a_draft_equal_to_the_target_foresees_every_draw(mode, samp, monkeypatch):
+    # With q = p, a level's best ranked node (log q + the noise row its parent's draw reads) is the token the target
+    # draws there, so every cycle accepts the whole depth: the rows draft_coupled and draft_static slice line up with
+    # the verify's (and with the draft vocabulary's columns: a permutation of every token here). A row off loses it.
+    logp = markov_chain()[0]
+    chain = (logp, logp, torch.randperm(V, generator=torch.Generator().manual_seed(1)))
+    spec = COUPLED[mode][0]
+    torch.manual_seed(0)
+    _, hist = run_cycles(spec, samp, 2000, chain=chain, cycles=1)
+    assert hist[spec.depth] == 2000, hist
+    for name, fn in BROKEN["noise-row-d-ranks-depth-d"]().items():
+        monkeypatch.setattr(speculate, name, fn)
+    _, hist = run_cycles(spec, samp, 2000, chain=chain, cycles=1)
+    assert hist[spec.depth] < 1000, hist
+
+
+# ---- the law test must fail wrong couplings (and batch rows sharing their noise) ----
+
+def pool_rerank(target, head, st, spec, h_root, samp, noise):
+    """Broken: EAGLE-2's expansion and pool rerank (speculate.draft_dynamic) over its summed log-probs plus the verify's
+    Gumbels: a shallow node's place in the tree hangs on deeper noise rows, which its own draws read."""
+    noise = noise[:, head.draft_vocab] if len(head.draft_vocab) else noise
+    k, ctx = spec.topk, head.max_seq_length - spec.scratch
+    feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
+
+    def step(level, tok, parent):
+        nonlocal feat, anc
+        anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
+        feat, logits = speculate.head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k),
+                                           ctx + (level - 1) * k + torch.arange(k), speculate.scratch_mask(st, head, anc))
+        return F.log_softmax(samp.draft_logprobs(logits), -1) + noise[level]
+
+    root = F.log_softmax(samp.draft_logprobs(head.logits(h_root, target.output)), -1) + noise[0]
+    sel, pool_tok, pool_parent, pool_score = spectree.grow(root, step, k, spec.depth, spec.num_draft_tokens)
+    tokens, parents = spectree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
+    return tokens, parents, F.pad(pool_score[sel], (1, 0))
+
+
+def noise_a_row_deeper(draft):
+    """Broken: depth-d nodes ranked by noise row d, the row their own draws read (not d - 1, their parents')."""
+    return lambda *args: draft(*args[:-1], args[-1][1:])
+
+
+def rows_copying_row_1(gumbel):
+    """Broken: noise rows 2 and deeper are row 1 again, so a cycle's draws below depth 1 are tied to each other."""
+    def noise(shape, device):
+        g = gumbel(shape, device)
+        return torch.cat([g[:2], g[1:2].expand(shape[0] - 2, -1)])
+    return noise
+
+
+BROKEN = {
+    "pool-rerank": lambda: {"draft_coupled": pool_rerank},
+    "noise-row-d-ranks-depth-d": lambda: {"draft_coupled": noise_a_row_deeper(speculate.draft_coupled),
+                                          "draft_static": noise_a_row_deeper(speculate.draft_static)},
+    "rows-copying-row-1": lambda: {"gumbel": rows_copying_row_1(speculate.gumbel)},
+}
+
+
+@pytest.mark.parametrize("broken,mode", [("pool-rerank", "eagle2"), ("noise-row-d-ranks-depth-d", "eagle2"), ("noise-row-d-ranks-depth-d", "eagle"),
+                                         ("rows-copying-row-1", "eagle2"), ("rows-copying-row-1", "eagle")])
+def test_the_law_test_rejects_a_broken_coupling(broken, mode, chi2_pvalue, monkeypatch):
+    for name, fn in BROKEN[broken]().items():
+        monkeypatch.setattr(speculate, name, fn)
+    spec, samp = COUPLED[mode]
+    torch.manual_seed(0)
+    toks, _ = run_cycles(spec, samp, SAMPLES)
+    PVALUES[f"{broken}-{mode}"] = p = law_pvalue(toks, samp, chi2_pvalue)
+    assert p < 1e-3
+
+
+def test_the_batch_test_rejects_rows_sharing_their_noise(chi2_pvalue, monkeypatch):
+    # batch.batched's vmap with randomness="same": two rows with one prompt give one answer
+    monkeypatch.setattr(torch, "vmap", lambda fn, **kw: VMAP(fn, **(kw | {"randomness": "same"})))
+    torch.manual_seed(0)
+    toks, _ = run_cycles(COUPLED["eagle2"][0], T1, SAMPLES, pairs=True)
+    PVALUES["batch-of-2-same-noise"], PVALUES["batch-of-2-same-noise-joint"] = law, joint = pair_pvalues(toks, chi2_pvalue)
+    assert joint < 1e-3 and bool((toks[0::2] == toks[1::2]).all())
