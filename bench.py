@@ -1,5 +1,6 @@
 # tokens/s benchmark: vanilla and speculative modes in one process, on the same prompts and template.
 # Warm-up (and compile) time is excluded from the figures and reported apart.
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import copy
 import json
@@ -11,6 +12,7 @@ from pathlib import Path
 
 import torch
 
+import atomic
 import cache
 import dtypes
 import peers
@@ -177,7 +179,7 @@ def bench(a) -> dict:
 def _partial(a, gen, conversations, results):
     """Rows so far, to --json-out with "partial": a long run that is stopped keeps what it measured."""
     if a.json_out:
-        a.json_out.write_text(json.dumps(report(a, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
+        atomic.write_text(a.json_out, json.dumps(report(a, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
 
 
 @torch.inference_mode()
@@ -453,6 +455,8 @@ def main(argv=None) -> int:
         a.lookup_slots = sizing.asked_lookup_slots(a.lookup_slots, a.temperature > 0)  # every tree of the run, --sweep's too
         if not a.random_shape and not a.prompts.exists():
             raise UsageError(f"prompts file {a.prompts} does not exist")
+        if not a.random_shape:
+            load_conversations(a.prompts)  # a file it cannot use refused before anything loads
         if a.sweep < 0:
             raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
         if a.rounds < 1:
@@ -460,7 +464,8 @@ def main(argv=None) -> int:
         if a.num_prompts is not None and a.num_prompts < 1:
             raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
         for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads
-            check_options(mode, **{k: v for k, v in mode_options(a, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "lookup_slots")})
+            check_options(mode, **{k: v for k, v in mode_options(a, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "lookup_slots")},
+                          option="--modes")
         check_sampling(a.temperature, a.top_k, a.top_p)
         if a.max_new_tokens < 1:
             raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
@@ -481,7 +486,7 @@ def main(argv=None) -> int:
     if a.sweep:
         print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {cache.cache_dir() / sizing.CACHE})")
     if a.json_out:
-        a.json_out.write_text(json.dumps(result, indent=2) + "\n")
+        atomic.write_text(a.json_out, json.dumps(result, indent=2) + "\n")
     return 0
 
 

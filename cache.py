@@ -1,19 +1,56 @@
 # Where eaglet keeps what it makes on this machine: $EAGLET_CACHE, default ~/.cache/eaglet. The converted default
-# model lives there, beside small JSON files of per-machine measurements (the dtype choice, the tree sizes).
+# model lives there, beside small JSON files of per-machine measurements (the dtype choice, the tree sizes). They are
+# data from disk: a file or entry that is damaged or unreadable is said once on stderr and measured again, and a
+# directory that cannot be written (read-only, full) leaves the measurement unsaved, said once: never fatal.
 import json
 import os
+import sys
 from pathlib import Path
 
+import atomic
 import tp
+
+_warned = set()  # (file, what): each said once a process
 
 
 def cache_dir() -> Path:
     return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser()
 
 
+def warn(path: Path, what: str):
+    if (path, what) not in _warned and tp.rank() == 0:
+        _warned.add((path, what))
+        print(f"warning: {path}: {what}", file=sys.stderr)
+
+
 def read(name: str) -> dict:
     path = cache_dir() / name
-    return json.loads(path.read_text()) if path.exists() else {}
+    try:
+        data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
+    except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
+        warn(path, f"unreadable, ignored and measured again ({type(e).__name__}: {' '.join(str(e).split())[:120]})")
+        return {}
+    if not isinstance(data, dict):
+        warn(path, "not a JSON object, ignored and measured again")
+        return {}
+    return data
+
+
+def entry(name: str, key: str, valid):
+    """The entry of key in a measurement file, or None when there is none or valid(entry) does not hold (an exception in
+    valid counts as damage): a damaged entry is said once, then measured again and rewritten."""
+    value = read(name).get(key)
+    try:
+        ok = value is None or bool(valid(value))
+    except (TypeError, ValueError, KeyError, AttributeError, IndexError):
+        ok = False
+    if not ok:
+        warn(cache_dir() / name, f"entry {key!r} is damaged ({' '.join(json.dumps(value).split())[:80]}), measured again")
+    return value if ok else None
+
+
+def number(x) -> bool:
+    return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
 def store(name: str, key: str, entry: dict):
@@ -21,7 +58,8 @@ def store(name: str, key: str, entry: dict):
     if tp.rank() != 0:
         return
     path = cache_dir() / name
-    path.parent.mkdir(parents=True, exist_ok=True)
-    tmp = path.with_suffix(f".{os.getpid()}.tmp")
-    tmp.write_text(json.dumps(read(name) | {key: entry}, indent=2) + "\n")
-    os.replace(tmp, path)  # readers never see a half-written file
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        atomic.write_text(path, json.dumps(read(name) | {key: entry}, indent=2) + "\n")  # readers never see half a file
+    except OSError as e:
+        warn(path.parent, f"cannot save measurements here ({e.strerror or e}), so they are made again next run")

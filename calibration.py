@@ -1,13 +1,16 @@
 # The EAGLE-2 paper's Figure 6 from a real run: the draft head's confidence in each drafted token (its
 # probability given its parent) against how often the target accepted it, greedy, per confidence bin.
 # Only nodes whose parent was accepted count: the target never tests the children of a rejected node.
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import json
 import sys
 from pathlib import Path
 
 import torch
 
+import atomic
 import spectree
+import tp
 from checkpoint import UsageError, UsageParser
 from eaglet import GREEDY, Generator, acceptance_metrics, load_generator
 from prompts import MT_BENCH, load_conversations
@@ -107,7 +110,7 @@ def plot(report: dict, path: Path, title: str):
     ax.set(xlim=(0, 1), ylim=(0, 1.1), xlabel="draft confidence", ylabel="acceptance rate", title=title)
     ax.legend(loc="upper left")
     fig.tight_layout()
-    fig.savefig(path, dpi=150)
+    atomic.write(path, lambda tmp: fig.savefig(tmp, dpi=150))
 
 
 def build_parser():
@@ -146,7 +149,7 @@ def main(argv=None) -> int:
         report = {"checkpoint": str(a.checkpoint or "default"), "draft": str(a.draft or "default"), "prompts": str(a.prompts),
                   "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "spec": gen.spec.__dict__, **calibration.acceptance, **calibration.report()}
         print_table(report)
-        a.json.write_text(json.dumps(report, indent=2) + "\n")
+        atomic.write_text(a.json, json.dumps(report, indent=2) + "\n")
         plot(report, a.out, f"{Path(report['checkpoint']).name}, T=0: {report['overall']['tested']} tested drafts")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -155,4 +158,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_with(main)

@@ -71,7 +71,7 @@ def choose(compile, target, log=print):
     kernel = "oneDNN" if quantised else quant.packed_kernel(weight.dtype)  # QuantLinear is no RowsLinear
     key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
           f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer} | packed: {kernel}"
-    entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
+    entry = tp.from_rank0(cache.entry(CACHE, key, lambda e: e["choice"] in ("max", "packed")))  # tensor-parallel ranks must agree
     if entry is None:
         log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({kernel}) on this CPU, "
             f"{weight.dtype} (once; a few minutes)")

@@ -1,6 +1,7 @@
 # Converts HF LLaMA-architecture checkpoints, llama.cpp GGUF files and official EAGLE-1/2/3 heads into our
 # layout: one directory with model.safetensors (our names, fused wqkv, q/k rows in the interleaved RoPE
 # layout), config.json (ModelArgs, chat family, stop tokens, BOS) and the tokenizer files.
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import json
 import re
@@ -11,9 +12,12 @@ from typing import Optional
 
 import numpy as np
 import torch
+from safetensors import SafetensorError
 from tqdm import tqdm
 
+import atomic
 import tokenizer as tok
+import tp
 from draft import Eagle3Head, EagleHead, check_head_fits, save_head
 from model import ModelArgs, Transformer, eagle3_taps, fuse_rows, load_state, rope_frequencies
 
@@ -170,7 +174,7 @@ def save_weights(state: dict, out_dir: Path):
     from safetensors.torch import save_file
 
     out_dir.mkdir(parents=True, exist_ok=True)
-    save_file({k: v.contiguous() for k, v in state.items()}, str(out_dir / "model.safetensors"))
+    atomic.write(out_dir / "model.safetensors", lambda tmp: save_file({k: v.contiguous() for k, v in state.items()}, str(tmp)))
 
 
 def stop_tokens(tokenizer, family: str, eos_ids: list) -> list[int]:
@@ -248,7 +252,7 @@ def convert_hf(hf_dir, out_dir, name: Optional[str] = None) -> ModelArgs:
     save_weights(state, out_dir)
 
     for n, path in sources.items():
-        shutil.copyfile(path, out_dir / n)
+        atomic.write(out_dir / n, lambda tmp: shutil.copyfile(path, tmp))
     tokenizer = tok.load_tokenizer(out_dir)
     tokenizer_config = read_json(out_dir / "tokenizer_config.json", default={})
     generation_config = read_json(hf_dir / "generation_config.json", default={})
@@ -288,7 +292,7 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
         raise ValueError(f"{gguf_path}: RoPE scaling {scaling!r} is not supported (only linear)")
 
     state = {}
-    for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", file=sys.stderr):
+    for t in tqdm(reader.tensors, desc="dequantising", unit="tensor", file=sys.stderr, leave=False):  # gone when done: errors stay one line
         try:
             w = gguf.quants.dequantize(t.data, t.tensor_type)  # float32 in nn.Linear's (out, in) layout
         except unreadable as e:
@@ -318,7 +322,7 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
         check_fits(state, Transformer(args), skip={"output.weight"} if args.tie_embeddings else ())
     save_weights(state, out_dir)
 
-    (out_dir / "tokenizer.json").write_text(tok.tokenizer_json_from_gguf(gguf_path))
+    atomic.write_text(out_dir / "tokenizer.json", tok.tokenizer_json_from_gguf(gguf_path))
     facts = tok.gguf_tokenizer_facts(gguf_path)
     family = tok.detect_chat_family(facts["chat_template"], gguf_path.name)
     args.chat_template, args.stop_tokens = family, stop_tokens(tok.load_tokenizer(out_dir), family, as_list(facts["eos_id"]))
@@ -432,7 +436,7 @@ def main(argv=None) -> int:
                 convert_eagle(source_dir, a.out, a.target)
             else:
                 convert_hf(source_dir, a.out, name=a.repo_id)
-    except (OSError, ValueError) as e:
+    except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: safetensors' own, a full disk's too
         print(f"error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 2
     print(f"wrote {a.out}", file=sys.stderr)
@@ -440,4 +444,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_with(main)

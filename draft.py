@@ -14,6 +14,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import atomic
 import quant
 from model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, eagle3_taps, load_state, one_line, rope_at, rope_table
 
@@ -175,10 +176,10 @@ def save_head(head: DraftHead, out_dir):
         cfg.update(taps=list(head.taps))
     if head.kind == "eagle":
         cfg.update(fc_bias=head.fc.bias is not None, token_table=head.token_table is not None)
-    (out_dir / "config.json").write_text(json.dumps(cfg, indent=2) + "\n")
+    atomic.write_text(out_dir / "config.json", json.dumps(cfg, indent=2) + "\n")
     own_lm_head = head.kind == "eagle3"  # an EAGLE-1/2 head's rows are the target's, copied at load time
     state = {k: v.contiguous() for k, v in head.state_dict().items() if own_lm_head or not k.startswith("lm_head.")}
-    save_file(state, str(out_dir / "model.safetensors"))
+    atomic.write(out_dir / "model.safetensors", lambda tmp: save_file(state, str(tmp)))
 
 
 def check_head_fits(head: ModelArgs, target: ModelArgs):

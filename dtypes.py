@@ -86,7 +86,8 @@ def default_dtype(device, log=print) -> torch.dtype:
     if not native_bf16():  # no measurement to report: the summary line names the dtype
         return torch.float32
     key = f"{cpu_name()} | torch {torch.__version__}"
-    entry = tp.from_rank0(cache.read(CACHE).get(key))  # tensor-parallel ranks must agree
+    valid = lambda e: e["choice"] in ("float32", "bfloat16") and cache.number(e["float32_ms"]) and cache.number(e["bfloat16_ms"])  # noqa: E731
+    entry = tp.from_rank0(cache.entry(CACHE, key, valid))  # tensor-parallel ranks must agree
     if entry is None:  # said once, when measured; every run names its dtype in its summary line
         entry = tp.from_rank0(measure_cpu())
         entry["choice"] = "bfloat16" if entry["float32_ms"] > MIN_GAIN * entry["bfloat16_ms"] else "float32"

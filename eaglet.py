@@ -17,13 +17,14 @@ import dtypes
 import quant
 import sizing
 import tp
-from checkpoint import DEFAULT_HEAD, UsageError, default_checkpoint, load_draft_head, load_draft_model, load_model
+from checkpoint import (DEFAULT_HEAD, UsageError, check_device_dtype, check_prompts, checkpoint_tokenizer, default_checkpoint, load_draft_head,
+                        load_draft_model, load_model)
 from compiling import choose, compiled, packages_enabled, precompiled, prepare, sizing_compile
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
 from speculate import CHAINS, MODES, SpecState, TreeSpec, draft_context, lookup_cycle, lookup_step, sps_cycle, tree_cycle
-from tokenizer import encode_prompt, load_tokenizer
+from tokenizer import encode_prompt
 
 GREEDY = Sampling()
 
@@ -51,11 +52,13 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     is sized for that many sequences (smaller, without lookup slots unless given); sampling: the Sampling rule generate will
     run (or True for T > 0): its tree is sampling's (shallower), and compiled steps are built for it before returning."""
     check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab, lookup_slots)
+    check_device_dtype(device, dtype)
     default = checkpoint is None
     try:
         checkpoint = default_checkpoint() if default else Path(checkpoint)
     except FileNotFoundError as e:
         raise UsageError(str(e)) from None
+    tokenizer = checkpoint_tokenizer(checkpoint)  # the checkpoint's files checked before the slow work: loading, measuring
     if target is None:
         target = load_target(checkpoint, device, dtype, log)
     compile = choose(compile, target, log)
@@ -70,7 +73,6 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     rule = sampling if isinstance(sampling, Sampling) else Sampling(1.0) if sampling else GREEDY
     spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch,
                      rule.temperature > 0)
-    tokenizer = load_tokenizer(checkpoint)
     gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer)
     gen.build(rule, log)
     return gen, tokenizer
@@ -92,9 +94,9 @@ def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transfor
     return target
 
 
-def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, lookup_slots=None):
+def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, lookup_slots=None, option="--speculate"):
     if speculate not in MODES:
-        raise UsageError(f"unknown --speculate mode {speculate!r}; choose from {', '.join(MODES)}")
+        raise UsageError(f"unknown {option} {speculate!r}; choose from {', '.join(MODES)}")
     for flag, value in (("depth", depth), ("topk", topk), ("num-draft-tokens", num_draft_tokens), ("speculate-k", speculate_k)):
         if value is not None and value < 1:
             raise UsageError(f"--{flag} must be >= 1")
@@ -107,10 +109,11 @@ def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, specu
         raise UsageError(f"--speculate-k is the sps / lookup chain length, not {speculate}'s")
     if lookup_slots is not None and (speculate != "eagle2" or lookup_slots < 0):
         raise UsageError("--lookup-slots adds a non-negative number of nodes to the eagle2 tree")
+    sizing.check_bounds(num_draft_tokens, depth, topk, speculate_k, lookup_slots)  # before the tree is sized
 
 
 def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
-    for bad, flag, want, value in ((temperature < 0, "temperature", ">= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
+    for bad, flag, want, value in ((not 0 <= temperature < float("inf"), "temperature", "finite and >= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
                                    (top_k < 0, "top-k", ">= 0", top_k)):
         if bad:
             raise UsageError(f"--{flag} must be {want}, got {value}")
@@ -309,7 +312,7 @@ class Generator:
         run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle.
         reuse: prefill only what the caches do not hold yet from this Generator's last prompt and answer (a
         chat's next turn); the answer is the same as without."""
-        self.check(prompt, max_new_tokens)
+        self.check([prompt], max_new_tokens, stop_ids, sampling)
         fresh = self.reserve(len(prompt) + max_new_tokens)
         self.build(sampling)  # before the first token; compiles only for a new sampling rule or cache size
         self.target.taps = self.taps  # another Generator may share the target
@@ -353,20 +356,15 @@ class Generator:
         self.kv_streams[self.target] = (self.kv_key, prompt + out)
         return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
 
-    def check(self, prompt: list, max_new_tokens: int):
-        if max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {max_new_tokens}")
-        if not prompt:
-            raise UsageError("the prompt is empty (no tokens to condition on)")
-        if len(prompt) + max_new_tokens > self.target.args.block_size:
-            raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {self.target.args.block_size}")
+    def check(self, prompts: list, max_new_tokens: int, stop_ids=None, sampling: Sampling = GREEDY):
+        check_prompts(self.target.args, prompts, max_new_tokens, stop_ids)  # UsageError before torch sees them
+        check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, batch_size: int = 0) -> list:
         """Answers to several prompts, batch_size rows at a time (0: all; batch.py): one forward for every row's step or
         tree, a row that is done taking the next waiting prompt. Each answer is what generate() gives its prompt alone.
         -> a Result per prompt, in order (seconds: the whole run's)."""
-        for prompt in prompts:
-            self.check(prompt, max_new_tokens)
+        self.check(prompts, max_new_tokens, stop_ids, sampling)
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
         rows, seconds, prefill_seconds = batch.generate(self, prompts, max_new_tokens, sampling, stop_ids, batch_size)
         return [Result(out, seconds, sum(hist) if self.spec else 0, hist if self.spec else None, len(prompt), prefill_seconds)

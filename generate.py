@@ -1,6 +1,7 @@
 # The command line: answer one prompt, or chat (--interactive), with vanilla or speculative decoding, streaming
 # the text as it is committed. Everything it does goes through eaglet.load_generator; read eaglet.py next, then
 # speculate.py.
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import json
 import sys
@@ -9,7 +10,7 @@ from pathlib import Path
 import torch
 
 import tp
-from checkpoint import UsageError, UsageParser
+from checkpoint import UsageError, UsageParser, check_text
 from compiling import COMPILE_CHOICES
 from eaglet import check_sampling, load_generator, log_stderr
 from prompts import load_conversations
@@ -72,10 +73,11 @@ def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
     margs, messages = gen.target.args, []
     dim = (lambda s: f"\033[2m{s}\033[0m") if sys.stderr.isatty() else (lambda s: s)
     print(dim("chat: /reset clears the conversation, /exit or end of input leaves, Ctrl-C stops an answer"), file=sys.stderr)
+    sys.stdin.reconfigure(errors="surrogateescape")  # a line that is not UTF-8 is refused below, not a traceback
     while True:
         try:
             text = input("> " if sys.stdin.isatty() else "").strip()
-        except (EOFError, KeyboardInterrupt):
+        except EOFError:  # Ctrl-C here, between answers, leaves like anywhere else (interrupt.py)
             print(file=sys.stderr)
             return 0
         if text == "/exit":
@@ -86,7 +88,11 @@ def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
             continue
         if not text:
             continue
-        turn = messages + [{"role": "user", "content": text}]
+        try:
+            turn = messages + [{"role": "user", "content": check_text(text, "that line")}]
+        except UsageError as e:
+            print(f"error: {e}", file=sys.stderr)
+            continue
         prompt = encode_prompt(tokenizer, margs, turn, chat_template)
         if len(prompt) + a.max_new_tokens > margs.block_size:
             print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {a.max_new_tokens} would exceed the context of "
@@ -129,9 +135,11 @@ def main(argv=None) -> int:
     try:
         a = build_parser().parse_args(argv)
         sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-        questions = (a.prompt or []) + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
+        questions = [check_text(q, "--prompt") for q in a.prompt or []] + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
         if a.batch_size < 0:
             raise UsageError(f"--batch-size must be >= 0, got {a.batch_size}")
+        if a.interactive and (a.prompt or a.prompts or sys.stdin is None):  # None: started with stdin closed
+            raise UsageError("--interactive reads its prompts from stdin" + (", which is closed" if sys.stdin is None else ", not --prompt or --prompts"))
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
                                         draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots, sampling=sampling,
@@ -141,8 +149,6 @@ def main(argv=None) -> int:
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)
         if a.interactive:
-            if a.prompt or a.prompts:
-                raise UsageError("--interactive reads its prompts from the terminal, not --prompt or --prompts")
             if tp.world_size() > 1:
                 raise UsageError("--interactive runs in one process, not under torchrun")
             return chat(gen, tokenizer, a, sampling, chat_template)

@@ -15,6 +15,7 @@ import torch.nn.functional as F
 from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
+import atomic
 import rowsmm
 
 
@@ -48,7 +49,7 @@ class ModelArgs:
         return cls(**{k: v for k, v in json.loads(Path(path).read_text()).items() if k in known})
 
     def save(self, path):
-        Path(path).write_text(json.dumps(asdict(self), indent=2) + "\n")
+        atomic.write_text(path, json.dumps(asdict(self), indent=2) + "\n")
 
 
 def rope_frequencies(args: ModelArgs) -> Tensor:

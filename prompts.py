@@ -3,7 +3,7 @@
 import json
 from pathlib import Path
 
-from checkpoint import UsageError
+from checkpoint import UsageError, check_text
 from model import one_line
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench.jsonl"
@@ -19,4 +19,7 @@ def load_conversations(path=MT_BENCH, limit=None) -> list:
         raise UsageError(f"prompts file {path}: not MT-bench-format UTF-8 jsonl ({type(e).__name__}: {one_line(e, 120)})") from None
     if not conversations or not all(isinstance(t, str) and t for turns in conversations for t in turns):
         raise UsageError(f"prompts file {path}: no conversations, or a turn that is not a non-empty string")
+    for i, turns in enumerate(conversations):
+        for turn in turns:
+            check_text(turn, f"prompts file {path}, conversation {i + 1}")  # a JSON escape can make a lone surrogate
     return conversations[:: max(1, len(conversations) // limit)][:limit] if limit else conversations

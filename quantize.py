@@ -1,5 +1,6 @@
 # Writes an int8 / int4 weight-only quantised copy of a converted checkpoint or EAGLE head directory, and
 # measures a quantised checkpoint's logit error against the float one. The layer itself is quant.py's.
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import json
 import shutil
@@ -9,6 +10,8 @@ from pathlib import Path
 import torch
 import torch.nn as nn
 
+import atomic
+import tp
 from checkpoint import UsageError, UsageParser, load_model
 from draft import load_head
 from model import ModelArgs, causal_mask
@@ -60,9 +63,9 @@ def quantize_checkpoint(checkpoint: Path, out: Path, mode: str, groupsize: int =
     out.mkdir(parents=True, exist_ok=True)
     for f in checkpoint.iterdir():
         if f.is_file() and f.name not in ("config.json", "model.safetensors"):
-            shutil.copy2(f, out / f.name)
-    save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(config, indent=2) + "\n")
+            atomic.write(out / f.name, lambda tmp: shutil.copy2(f, tmp))
+    atomic.write(out / "model.safetensors", lambda tmp: save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(tmp)))
+    atomic.write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
     return out
 
 
@@ -125,4 +128,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_with(main)

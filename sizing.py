@@ -14,6 +14,7 @@ import torch
 import cache
 import dtypes
 import tp
+from checkpoint import UsageError
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple
 from quant import KERNEL_MAX_ROWS, QuantLinear, packed_kernel
@@ -27,6 +28,21 @@ TOPK_SAMPLING = (10,)
 LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
 # The priors: spectree.RANK_ACCEPT, and RANK_ACCEPT_SAMPLING for sampling's coupled trees.
 CONTEXT = 256  # position the costs are measured at
+# The most draft levels (or chain tokens) a cycle may have: each level is a head pass, and its drafts are accepted
+# ever less often (the sizer goes to max(DEPTH_CHOICES)); past this a tree only costs, so a larger number is a mistake.
+MAX_DEPTH = 32
+
+
+def check_bounds(m=None, depth=None, k=None, chain=None, lookup=None):
+    """The tree and chain flags against what any tree can hold, before a tree is sized (UsageError): what is left open
+    takes the largest the sizer tries."""
+    for flag, value in (("--depth", depth), ("--speculate-k", chain), ("--lookup-slots", lookup)):
+        if value is not None and value > MAX_DEPTH:
+            raise UsageError(f"{flag} {value} exceeds the {MAX_DEPTH} levels a cycle may have")
+    d, kk = depth or max(DEPTH_CHOICES), k or max(TOPK_CHOICES)
+    if m is not None and m > kk + (d - 1) * kk * kk:
+        raise UsageError(f"--num-draft-tokens {m} exceeds the {kk + (d - 1) * kk * kk} candidates of a tree of depth {d} and topk {kk}"
+                         + ("" if depth and k else " (the largest the sizer tries; --depth and --topk set others)"))
 
 
 def rank_accept(sampling: bool):
@@ -210,12 +226,20 @@ def cache_key(target, head, compiled=False) -> str:
 CACHE = "tree_sizes.json"
 
 
+def valid_costs(entry: dict) -> bool:
+    """A cached cost entry as measure_costs writes it (and record_sweep's trees): anything else is measured again."""
+    verify, trees = entry["verify"], [entry[k] for k in (swept_key(False), swept_key(True)) if k in entry]
+    return (cache.number(entry["decode_ms"]) and len(verify) >= 2 and all(int(t) > 0 and cache.number(r) for t, r in verify.items())
+            and all(cache.number(entry["level"][k]) for k in ("4", "10"))
+            and all(len(t) == 3 and all(isinstance(x, int) and x > 0 for x in t) for t in trees))
+
+
 def device_costs(target, head, log=print, compile_fn=None) -> dict:
     """The cached cost entry for this device, model, draft and way of running the steps (eager or
     compiled: measure_costs), measured now (seconds; a minute when compiling) if there is none.
     Under tensor parallelism every rank measures together and rank 0's entry counts."""
     key = cache_key(target, head, getattr(compile_fn, "compile", compile_fn is not None))
-    entry = tp.from_rank0(cache.read(CACHE).get(key))
+    entry = tp.from_rank0(cache.entry(CACHE, key, valid_costs))
     if entry is None:
         if tp.rank() == 0:
             how = "compiled steps" if compile_fn else "eager steps"

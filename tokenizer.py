@@ -14,6 +14,8 @@ import tiktoken
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
+from model import one_line
+
 
 class Tokenizer(Protocol):
     vocab_size: int
@@ -111,7 +113,10 @@ class HFTokenizer:
         self.specials = {t.content: i for i, t in self.tok.get_added_tokens_decoder().items() if t.special}
         # tokenizer.json does not say which token is BOS/EOS; tokenizer_config.json next to it does
         config_path = path.parent / "tokenizer_config.json"
-        config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        try:
+            config = json.loads(config_path.read_text()) if config_path.is_file() else {}
+        except ValueError as e:
+            raise ValueError(f"{config_path} is not JSON ({one_line(e, 80)})") from None
         self.bos_id = self._config_token_id(config.get("bos_token"))
         self.eos_id = self._config_token_id(config.get("eos_token"))
 
@@ -136,13 +141,19 @@ def _is_tiktoken_file(path: Path) -> bool:
 
 
 def load_tokenizer(checkpoint_dir) -> Tokenizer:
+    """Raises FileNotFoundError without a tokenizer file, and a one-line ValueError naming the file that does not load
+    (the three libraries fail each in their own way: tokenizers with a bare Exception)."""
     checkpoint_dir = Path(checkpoint_dir)
     model_path, json_path = checkpoint_dir / "tokenizer.model", checkpoint_dir / "tokenizer.json"
-    if model_path.is_file():
+    path = model_path if model_path.is_file() else json_path
+    if not path.is_file():
+        raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {checkpoint_dir}")
+    try:
+        if path == json_path:
+            return HFTokenizer(json_path)
         return TiktokenTokenizer(model_path) if _is_tiktoken_file(model_path) else SentencePieceTokenizer(model_path)
-    if json_path.is_file():
-        return HFTokenizer(json_path)
-    raise FileNotFoundError(f"no tokenizer.model or tokenizer.json in {checkpoint_dir}")
+    except Exception as e:
+        raise ValueError(f"{path} is not a tokenizer eaglet can read ({one_line(e, 120)})") from None
 
 
 # llama.cpp pre-tokenizer names whose rule we know; any other name gets the plain GPT-2 ByteLevel regex.

@@ -14,6 +14,8 @@ import torch.distributed as dist
 import torch.distributed._functional_collectives as funcol
 import torch.nn as nn
 
+import interrupt
+
 FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
 
 
@@ -56,9 +58,12 @@ def exit_with(main):
     each destroys the group and leaves with os._exit; after an exception a rank leaves at once (torchrun
     stops the others). Why: a live gloo group left to interpreter shutdown aborted a rank about one run
     in thirty ("terminate called without an active exception", SIGABRT): its C++ threads and store were
-    torn down by static destructors while the peer rank still talked to them."""
+    torn down by static destructors while the peer rank still talked to them. Ctrl-C: interrupt.leave, one line and
+    status 130 on every rank (no barrier: the others are interrupted too, or torchrun stops them)."""
     try:
         status = main()
+    except KeyboardInterrupt:
+        interrupt.leave()
     except BaseException:
         if not dist.is_initialized():
             raise

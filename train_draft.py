@@ -15,6 +15,7 @@
 #              own slot's keys of steps 1..i. Loss = sum_i decay^i CE(target distribution over the draft vocabulary
 #              || head), at positions whose target argmax is in the draft vocabulary (as the official code: there
 #              greedy drafting cannot be right, and the renormalised rest would teach the head the target's runners-up).
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import copy
 import math
@@ -36,6 +37,7 @@ from tqdm import tqdm
 import distill
 import dtypes
 import rowsmm
+import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
@@ -529,4 +531,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    tp.exit_with(main)
