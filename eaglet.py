@@ -1,35 +1,21 @@
 # The library entry point, where generate.py, bench.py and calibration.py all start: load_generator() returns a
-# ready Generator and the tokenizer, e.g. gen.chat("What is the capital of France?"). Generator.generate decodes
-# a prompt a token per step (vanilla) or a speculative cycle per step (speculate.py) until the answer is done.
-import functools
-import sys
-import time
-import weakref
-from dataclasses import dataclass
+# ready Generator (generator.py) and the tokenizer, e.g. gen.chat("What is the capital of France?").
 from pathlib import Path
 from typing import Optional
 
 import torch
-from torch import Tensor
 
-import batch
 import dtypes
-import quant
 import sizing
 import tp
-from checkpoint import (DEFAULT_HEAD, UsageError, check_device_dtype, check_prompts, checkpoint_tokenizer, default_checkpoint, load_draft_head,
+from checkpoint import (DEFAULT_HEAD, UsageError, check_device_dtype, checkpoint_tokenizer, default_checkpoint, load_draft_head,
                         load_draft_model, load_model)
-from compiling import choose, compiled, packages_enabled, precompiled, prepare, sizing_compile
-from draft import DraftHead, use_draft_vocab
-from model import Transformer, causal_mask, find_multiple
+from compiling import choose, sizing_compile
+from draft import DraftHead
+from generator import GREEDY, Generator, Result, acceptance_metrics, check_sampling, decode_one, log_stderr, prefill  # noqa: F401  (the API)
+from model import Transformer
 from sampling import Sampling
-from speculate import CHAINS, MODES, SpecState, TreeSpec, draft_context, lookup_cycle, lookup_step, sps_cycle, tree_cycle
-from tokenizer import encode_prompt
-
-GREEDY = Sampling()
-
-
-log_stderr = functools.partial(print, file=sys.stderr)
+from speculate import CHAINS, MODES, TreeSpec
 
 
 # ---------------------------------------------------------------- loading
@@ -112,14 +98,6 @@ def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, specu
     sizing.check_bounds(num_draft_tokens, depth, topk, speculate_k, lookup_slots)  # before the tree is sized
 
 
-def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
-    for bad, flag, want, value in ((not 0 <= temperature < float("inf"), "temperature", "finite and >= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
-                                   (top_k < 0, "top-k", ">= 0", top_k)):
-        if bad:
-            raise UsageError(f"--{flag} must be {want}, got {value}")
-    return Sampling(temperature, top_k, top_p)
-
-
 def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
               speculate_k=None, compile=False, log=log_stderr, lookup_slots=None, batch: int = 1, sampling: bool = False) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what is left open is sized for this device and batch size: sizing.measure_tree
@@ -149,249 +127,3 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
     if lookup_slots > depth:
         raise UsageError(f"--lookup-slots {lookup_slots} exceeds the tree's depth {depth}")
     return TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=lookup_slots)
-
-
-# ---------------------------------------------------------------- the steps a Generator compiles
-
-def prefill(model: Transformer, prompt: Tensor, start: Tensor) -> tuple:
-    """prompt [1, T] at positions start.. -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV
-    slots [start, start + T), attending to the slots before start (a conversation's earlier turns)."""
-    pos = start + torch.arange(prompt.shape[1], device=prompt.device)
-    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length))
-    return h[0], feat[0]
-
-
-def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
-    logits, _ = model(token.view(1, 1), pos, pos, causal_mask(pos, model.max_seq_length))
-    return sampling.draw(logits[0, -1]).view(1)
-
-
-def decode_row(target: Transformer, _drafter, _state, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
-    """decode_one as batch.batched runs it: one row's token [1] at its position [1]."""
-    return decode_one(target, token, pos, sampling)
-
-
-# ---------------------------------------------------------------- results
-
-@dataclass
-class Result:
-    token_ids: list
-    seconds: float
-    cycles: int = 0
-    accept_hist: Optional[list] = None  # cycles that accepted 0, 1, ... depth draft tokens
-    prefilled: int = 0  # prompt tokens the prefill ran over (fewer than the prompt's when a conversation was reused)
-    prefill_seconds: float = 0.0
-
-    def metrics(self, spec: Optional[TreeSpec]) -> dict:
-        out = {"new_tokens": len(self.token_ids), "seconds": round(self.seconds, 4),
-               "tokens_per_s": round(len(self.token_ids) / max(self.seconds, 1e-9), 2)}
-        if spec is None or not self.cycles:
-            return out
-        return out | acceptance_metrics(self.accept_hist, len(self.token_ids) - 1, self.cycles)
-
-
-def acceptance_metrics(hist: list, cycle_tokens: int, cycles: int) -> dict:
-    """hist[a]: cycles that accepted a draft tokens; cycle_tokens: tokens the cycles committed, cut at
-    the stop token or the token limit (the first token comes from the prefill, not a cycle)."""
-    reached = [sum(hist[d:]) for d in range(len(hist))]
-    return dict(cycles=cycles, mean_accept_len=round(cycle_tokens / cycles, 4),  # tau: tokens per target forward, bonus included
-                accept_len_hist=hist,
-                accept_rate_per_depth=[round(reached[d] / reached[d - 1], 4) if reached[d - 1] else 0.0 for d in range(1, len(hist))])
-
-
-# ---------------------------------------------------------------- generation
-
-class Generator:
-    """Owns the models, their caches and the (optionally compiled) step functions."""
-    # target -> (owner's kv_key, tokens its KV holds); off the module, whose changed __dict__ slowed guards 0.29 -> 0.88 ms
-    kv_streams = weakref.WeakKeyDictionary()
-
-    def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[DraftHead] = None,
-                 draft_model: Optional[Transformer] = None, compile: bool = False, tokenizer=None):
-        self.target, self.spec, self.head, self.draft_model, self.tokenizer = target, spec, head, draft_model, tokenizer  # tokenizer: chat()'s
-        self.kv_key = object()  # marks the target's caches as this Generator's (a copied target's never match)
-        self.device = target.tok_embeddings.weight.device
-        quant.logits_in_fp32(target)  # bf16: fp32 logits where rowsmm's kernel runs, so near-ties go by value
-        if head is not None and len(head.draft_vocab) and head.lm_head is None:
-            use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
-        # EAGLE-3 heads read the states entering their tap layers, handed over by the prefill and verify passes (target.taps)
-        self.taps = head.taps if head is not None else ()
-        target.taps = self.taps
-        feat_dim = target.args.dim * (len(self.taps) or 1)
-        self.state = SpecState(spec, feat_dim, self.device) if spec else None
-        self.prefill, self.decode_one = prefill, decode_one
-        self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
-        self.plain_cycle = lookup_step
-        # generate_batch's steps: every row's cycle (lookup: always with drafts) or decode step in one vmapped call
-        self.rows, self.batch_cycle = None, batch.batched(self.cycle) if spec else None
-        self.batch_step = batch.batched(decode_row)
-        # A CPU's steps over packed weights are built by build() before an answer and saved on disk (compiling.precompiled);
-        # other settings (CUDA graphs, --compile max's frozen weights) compile each step at its first call, as torch.compile does.
-        self.packaged, self.built, self.compile_seconds = False, None, 0.0
-        if compile:  # True (packed), "max" (compiling.prepare) or "auto" (compiling.choose)
-            frozen = prepare(choose(compile, target, log_stderr), self.device, target, head, draft_model)
-            mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
-            self.packaged = self.device.type == "cpu" and frozen is None and tp.world_size() == 1 and packages_enabled()
-            if not self.packaged:
-                self.prefill = compiled(prefill, self.device, frozen, dynamic=True)
-                self.decode_one = compiled(decode_one, self.device, frozen, mode=mode)
-            if spec:
-                self.batch_cycle = compiled(self.batch_cycle, self.device, frozen, mode=mode)
-                if not self.packaged:
-                    self.cycle = compiled(self.cycle, self.device, frozen, mode=mode)
-                    self.plain_cycle = compiled(lookup_step, self.device, frozen, mode=mode) if spec.mode == "lookup" else lookup_step
-            self.batch_step = compiled(self.batch_step, self.device, frozen, mode=mode)
-
-    def build(self, sampling: Sampling = GREEDY, log=log_stderr):
-        """Every step generate() runs for this sampling rule and cache size, compiled now (or loaded from the last process
-        that compiled it): nothing compiles inside an answer. A no-op unless the Generator's steps are packaged."""
-        if not self.packaged:
-            return
-        self.reserve(1)  # the caches and cycle buffers every step reads, at least at their smallest size
-        if self.built == (sampling, self.target.max_seq_length):
-            return
-        prompt, start = torch.zeros(1, 8, dtype=torch.long, device=self.device), torch.tensor(0, device=self.device)
-        steps = [("prefill", prefill, (self.target, prompt, start), True)]
-        if self.spec is None:
-            steps.append(("decode_step", decode_one, (self.target, prompt[0, :1], start.view(1), sampling), False))
-        else:
-            drafter = self.head if self.head is not None else self.draft_model
-            args = (self.target, drafter, self.state, self.spec, sampling)
-            steps.append((f"{self.spec.mode}_cycle", self.eager_cycle, args, False))
-            if self.spec.mode == "lookup":
-                steps.append(("lookup_step", lookup_step, args, False))
-        built = {}
-        for name, fn, args, dynamic in steps:
-            built[name], seconds = precompiled(name, fn, args, dynamic, log)
-            self.compile_seconds += seconds
-        self.prefill = built["prefill"]
-        self.decode_one = built.get("decode_step", self.decode_one)
-        self.cycle = built.get(f"{self.spec.mode}_cycle", self.cycle) if self.spec else None
-        self.plain_cycle = built.get("lookup_step", self.plain_cycle)
-        self.built = (sampling, self.target.max_seq_length)
-
-    @torch.inference_mode(False)  # buffers made alike in and out of generate: an inference tensor fails compiled guards
-    def reserve(self, max_len: int) -> bool:
-        """Caches for a prompt plus new tokens of max_len, with room for a verify and a commit. -> True when the
-        target's caches were reallocated (and hold nothing any more)."""
-        before = self.target.max_seq_length
-        extra = (self.spec.verify_len + self.spec.depth + 2) if self.spec else 1
-        # Rounded up and only grown: compiled steps see few cache shapes (packaged ones, each a compile: fewer still).
-        length = find_multiple(max_len + extra, 2048 if self.packaged else 256)
-        if self.target.max_seq_length < length:
-            self.target.setup_caches(length)
-        if self.spec and self.spec.mode not in CHAINS:
-            self.target.setup_tree(self.spec.verify_len)  # (again) after new caches: where a verify's tree waits
-        if self.head is not None and self.head.max_seq_length != self.target.max_seq_length + self.spec.scratch:
-            self.head.setup_caches(self.target.max_seq_length + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
-        if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:
-            self.draft_model.setup_caches(self.target.max_seq_length)
-        if self.spec and self.spec.history and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:
-            self.state.register_buffer("history", torch.zeros(self.target.max_seq_length, dtype=torch.long, device=self.device))
-        return self.target.max_seq_length != before
-
-    def reusable(self, prompt: list) -> int:
-        """How many leading prompt tokens the caches already hold from this Generator's last answer (a chat's
-        earlier turns): the target's KV up to the last token it read, and for a head its draft context pairs."""
-        owner, stream = self.kv_streams.get(self.target, (None, []))
-        if owner is not self.kv_key or self.draft_model is not None:  # another Generator used the target since; sps: no reuse
-            return 0
-        common = next((i for i, (a, b) in enumerate(zip(prompt, stream)) if a != b), min(len(prompt), len(stream)))
-        start = min(common, len(stream) - 1, len(prompt) - 1)  # the KV holds every token but the last one generated
-        if self.head is not None:
-            # Write the pairs still pending into the draft's context; pair j also reads token j+1, which must agree.
-            draft_context(self.target, self.head, self.state, self.spec)
-            start = min(start, common - 1, int(self.state.L))
-        return max(start, 0)
-
-    @torch.inference_mode()
-    def generate(self, prompt: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, on_tokens=None,
-                 lap=None, reuse: bool = False) -> Result:
-        """Token ids of the answer to prompt (token ids), up to and including a stop token (default: the
-        model's). on_tokens(new ids) is called as tokens are committed (streaming). lap(name, **cycle_tensors):
-        run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle.
-        reuse: prefill only what the caches do not hold yet from this Generator's last prompt and answer (a
-        chat's next turn); the answer is the same as without."""
-        self.check([prompt], max_new_tokens, stop_ids, sampling)
-        fresh = self.reserve(len(prompt) + max_new_tokens)
-        self.build(sampling)  # before the first token; compiles only for a new sampling rule or cache size
-        self.target.taps = self.taps  # another Generator may share the target
-        stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
-        sync = dtypes.synchronizer(self.device)
-        sync()
-        t0 = time.perf_counter()
-        start = self.reusable(prompt) if reuse and not fresh else 0
-        self.kv_streams[self.target] = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
-        x = torch.tensor([prompt], device=self.device)
-        h, feats = self.prefill(self.target, torch.tensor([prompt[start:]], device=self.device), torch.tensor(start, device=self.device))
-        root = sampling.draw(self.target.output(h[-1]))
-        sync()
-        prefill_seconds = time.perf_counter() - t0
-        lap and lap("prefill")
-        out = [int(root)]
-        on_tokens and on_tokens(out[:])
-        hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
-        cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
-        if self.spec:
-            self._start(x, feats, root, start)
-            lap and lap("prefill")
-        while len(out) < max_new_tokens and out[-1] not in stop_ids:
-            if self.spec:
-                drafter = self.head if self.head is not None else self.draft_model
-                cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
-                args = (self.target, drafter, self.state, self.spec, sampling)
-                chunk = (eager_cycle(*args, lap) if lap else cycle(*args)).tolist()
-                if self.spec.mode == "lookup":
-                    drafts = bool(chunk.pop())
-                accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
-                hist[accept_len] += 1
-                cycles += 1
-            else:
-                pos = torch.tensor([len(prompt) + len(out) - 1], device=self.device)
-                new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
-            new = batch.cut(new, max_new_tokens - len(out), stop_ids)
-            out += new
-            on_tokens and on_tokens(new)
-        sync()
-        self.kv_streams[self.target] = (self.kv_key, prompt + out)
-        return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
-
-    def check(self, prompts: list, max_new_tokens: int, stop_ids=None, sampling: Sampling = GREEDY):
-        check_prompts(self.target.args, prompts, max_new_tokens, stop_ids)  # UsageError before torch sees them
-        check_sampling(sampling.temperature, sampling.top_k, sampling.top_p)
-
-    def generate_batch(self, prompts: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, batch_size: int = 0) -> list:
-        """Answers to several prompts, batch_size rows at a time (0: all; batch.py): one forward for every row's step or
-        tree, a row that is done taking the next waiting prompt. Each answer is what generate() gives its prompt alone.
-        -> a Result per prompt, in order (seconds: the whole run's)."""
-        self.check(prompts, max_new_tokens, stop_ids, sampling)
-        stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
-        rows, seconds, prefill_seconds = batch.generate(self, prompts, max_new_tokens, sampling, stop_ids, batch_size)
-        return [Result(out, seconds, sum(hist) if self.spec else 0, hist if self.spec else None, len(prompt), prefill_seconds)
-                for (out, hist), prompt in zip(rows, prompts)]
-
-    def chat(self, messages, max_new_tokens: int = 200, sampling: Sampling = GREEDY, chat: bool = True) -> tuple:
-        """messages: a user turn (str) or a conversation [{"role", "content"}] -> (answer text, Result)."""
-        if isinstance(messages, str):
-            messages = [{"role": "user", "content": messages}]
-        args = self.target.args
-        result = self.generate(encode_prompt(self.tokenizer, args, messages, chat), max_new_tokens, sampling)
-        return self.tokenizer.decode([t for t in result.token_ids if t not in args.stop_tokens]), result
-
-    def _start(self, prompt: Tensor, feats: Tensor, root: Tensor, start: int = 0):  # after a prefill of prompt[start:]
-        st, T = self.state, prompt.shape[1]
-        st.L.fill_(T)
-        st.root.copy_(root.view(1))
-        st.prev.copy_(prompt[0, -1:])
-        st.n_pend.fill_(1)
-        st.pend_tok[0] = root
-        st.pend_feat[0] = feats[-1].float()
-        if self.spec.history:
-            st.history[:T] = prompt[0]
-            st.history[T] = root
-        if self.head is not None and T - 1 > start:
-            # The draft's context: feature f_j with token x_{j+1}; the last pair waits in pend_*.
-            pos = torch.arange(start, T - 1, device=self.device)
-            self.head(prompt[:, start + 1:], self.target.tok_embeddings.weight, feats[None, :-1], pos, pos, causal_mask(pos, self.head.max_seq_length))
-        if self.draft_model is not None and T > 1:
-            prefill(self.draft_model, prompt[:, :-1], torch.tensor(0, device=self.device))

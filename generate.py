@@ -1,5 +1,5 @@
 # The command line: answer one prompt, or chat (--interactive), with vanilla or speculative decoding, streaming
-# the text as it is committed. Everything it does goes through eaglet.load_generator; read eaglet.py next, then
+# the text as it is committed. Everything it does goes through eaglet.load_generator; read generator.py next, then
 # speculate.py.
 import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse

@@ -498,15 +498,15 @@ CLIS = ["generate.py", "bench.py", "convert_hf_checkpoint.py", "quantize.py", "t
 # first step: the marker to send Ctrl-C at, rather than a guess of how long loading takes.
 SLOW_STEPS = """
 import interrupt, runpy, sys, time
-import eaglet
-step = eaglet.decode_one
+import generator
+step = generator.decode_one
 def slow(*args):
     if not getattr(slow, "said", False):
         slow.said = True
         print("generating", file=sys.stderr, flush=True)
     time.sleep(0.05)
     return step(*args)
-eaglet.decode_one = slow
+generator.decode_one = slow
 sys.argv = ["generate.py"] + sys.argv[1:]
 runpy.run_path("generate.py", run_name="__main__")
 """

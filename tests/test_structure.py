@@ -15,10 +15,10 @@ import pytest
 
 REPO = Path(__file__).resolve().parents[1]
 CLIS = {"generate", "bench", "calibration", "train_draft", "quantize"}
-LIBRARY = {"eaglet", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cache", "prompts", "distill", "peers", "convert_hf_checkpoint"}
+LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cache", "prompts", "distill", "peers", "convert_hf_checkpoint"}
 MODELS = {"model", "draft", "quant", "rowsmm", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
 LAYER = {name: i for i, layer in enumerate((MODELS, LIBRARY, CLIS)) for name in layer}
-CYCLE_FILES = ("model", "draft", "spectree", "sampling", "speculate", "eaglet", "generate")  # one cycle, generate.py down
+CYCLE_FILES = ("model", "draft", "spectree", "sampling", "speculate", "generator", "generate")  # one cycle, generate.py down
 
 
 def project_imports(path: Path) -> set:
