@@ -2,6 +2,7 @@
 # CPU's weights prepacked for oneDNN (quant.PackedLinear; in bf16 with AVX512-BF16 for rowsmm's kernel instead) or,
 # under --compile max, frozen for Inductor's GEMM templates; --compile auto takes whichever of the two measured faster
 # on this CPU (choose). A CPU's packed steps are compiled once and saved (precompiled, at the end of this file).
+import contextlib
 import dataclasses
 import functools
 import hashlib
@@ -20,14 +21,14 @@ from pathlib import Path
 import torch
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
+import atomic
 import cache
 import dtypes
-import model
 import quant
 import rowsmm
 import tp
 from draft import DraftHead
-from model import KVCache, ModelArgs, Transformer, causal_mask
+from model import KVCache, ModelArgs, Transformer, causal_mask, one_line
 
 # Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
 # on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
@@ -281,16 +282,9 @@ def tensor_meta(t) -> str:
 @functools.cache
 def machine() -> str:
     """The machine's side of a package key: torch, Python, the CPU and its instruction sets, threads."""
-    flags = next((line.split(":", 1)[1].split() for line in cpuinfo() if line.startswith("flags")), [])
+    flags = next((line.split(":", 1)[1].split() for line in dtypes.cpuinfo() if line.startswith("flags")), [])
     return f"torch {torch.__version__} | python {sys.version.split()[0]} | {dtypes.cpu_name()} | {' '.join(sorted(flags))} | " \
            f"threads {torch.get_num_threads()}"
-
-
-def cpuinfo() -> list:
-    try:
-        return Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return []
 
 
 @functools.cache
@@ -347,7 +341,7 @@ def load_package(path: Path, key: str, fn, log):
     except FileNotFoundError:
         return None
     except OSError as e:
-        log(f"warning: cannot read the compiled step {path} ({model.one_line(e)}): compiling it again")
+        log(f"warning: cannot read the compiled step {path} ({one_line(e)}): compiling it again")
         return None
     header, _, payload = data.partition(b"\n")
     try:
@@ -355,19 +349,17 @@ def load_package(path: Path, key: str, fn, log):
             raise ValueError("its key does not match its name")
         return torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=fn.__globals__)
     except Exception as e:  # noqa: BLE001  (a package is data from disk: whatever is wrong with it, it is rebuilt)
-        log(f"warning: the compiled step {path} is damaged ({model.one_line(e)}): compiling it again")
-        path.unlink(missing_ok=True)
+        log(f"warning: the compiled step {path} is damaged ({one_line(e)}): compiling it again")
+        with contextlib.suppress(OSError):  # a read-only cache keeps it; the step is compiled all the same
+            path.unlink()
         return None
 
 
 def save_package(step, path: Path, key: str, log):
-    """Written whole or not at all (a temporary file renamed); a cache directory that takes no files is said once."""
-    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    """Written whole or not at all (atomic.py); a cache directory that takes no files is said in one line."""
+    payload = f"eaglet step {key}\n".encode() + type(step).serialize(step).serialized_data
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
-        payload = type(step).serialize(step).serialized_data
-        tmp.write_bytes(f"eaglet step {key}\n".encode() + payload)
-        os.replace(tmp, path)
+        atomic.write(path, lambda tmp: tmp.write_bytes(payload))
     except OSError as e:
-        tmp.unlink(missing_ok=True)
-        log(f"warning: cannot save the compiled step in {path.parent} ({model.one_line(e)}): the next run compiles it again")
+        log(f"warning: cannot save the compiled step in {path.parent} ({one_line(e)}): the next run compiles it again")

@@ -17,14 +17,17 @@ CACHE = "dtypes.json"
 MIN_GAIN = 1.1
 
 
-def cpu_name() -> str:
+def cpuinfo() -> list:
+    """/proc/cpuinfo's lines (none where there is no such file)."""
     try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
+        return Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        pass
-    return platform.processor() or platform.machine()
+        return []
+
+
+def cpu_name() -> str:
+    name = next((line.split(":", 1)[1].strip() for line in cpuinfo() if line.startswith("model name")), None)
+    return name or platform.processor() or platform.machine()
 
 
 def native_bf16(device="cpu") -> bool:
