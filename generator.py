@@ -133,6 +133,7 @@ class Generator:
         that compiled it): nothing compiles inside an answer. A no-op unless the Generator's steps are packaged."""
         if not self.packaged:
             return
+        self.target.taps = self.taps  # another Generator may share the target: the steps trace this one's features
         self.reserve(1)  # the caches and cycle buffers every step reads, at least at their smallest size
         if self.built == (sampling, self.target.max_seq_length):
             return
