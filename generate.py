@@ -12,7 +12,7 @@ import torch
 import tp
 from checkpoint import UsageError, UsageParser, check_text
 from compiling import COMPILE_CHOICES
-from eaglet import check_sampling, load_generator, log_stderr
+from eaglet import check_sampling, load_generator
 from prompts import load_conversations
 from speculate import MODES
 from tokenizer import StreamDecoder, encode_prompt
@@ -143,8 +143,7 @@ def main(argv=None) -> int:
         gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
                                         depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
                                         draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots, sampling=sampling,
-                                        batch=min(a.batch_size or len(questions), len(questions)) or 1,  # a batch's tree is sized for its rows
-                                        log=(lambda *_: None) if a.json else log_stderr)
+                                        batch=min(a.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
         margs = gen.target.args
         chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
         torch.manual_seed(a.seed)
