@@ -14,7 +14,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError
 
-import cache
+import cachedir
 import quant
 from convert_hf_checkpoint import convert_gguf
 from draft import DraftHead, load_head, use_draft_vocab
@@ -215,8 +215,8 @@ def smollm2_gguf() -> Path:
 
 
 def default_checkpoint() -> Path:
-    """The embedded SmolLM2-135M-Instruct, converted on first use into the cache directory (cache.py)."""
-    out = cache.cache_dir() / DEFAULT_NAME
+    """The embedded SmolLM2-135M-Instruct, converted on first use into the cache directory (cachedir.py)."""
+    out = cachedir.root() / DEFAULT_NAME
     if (out / "config.json").is_file():
         return out
     gguf_path, partial = smollm2_gguf(), None

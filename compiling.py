@@ -1,155 +1,25 @@
-# How the steps are compiled: torch.compile with each device's Inductor settings, set in this one place, and the
-# CPU's weights prepacked for oneDNN (quant.PackedLinear; in bf16 with AVX512-BF16 for rowsmm's kernel instead) or,
-# under --compile max, frozen for Inductor's GEMM templates; --compile auto takes whichever of the two measured faster
-# on this CPU (choose). A CPU's packed steps are compiled once and saved (precompiled, at the end of this file).
-import contextlib
-import dataclasses
-import functools
-import hashlib
-import io
-import itertools
-import json
-import math
-import os
-import subprocess
-import sys
-import time
+# How a step is compiled: torch.compile(fullgraph) with the device's Inductor settings, set in this one place (a
+# backend's, ops.inductor_settings), its own code object per Generator, shapes static unless asked.
 import types
-from dataclasses import asdict, replace
-from pathlib import Path
 
 import torch
-from torch._inductor.custom_graph_pass import CustomGraphPass
 
-import atomic
-import cache
-import dtypes
-import quant
-import rowsmm
-import tp
-from draft import DraftHead
-from model import KVCache, ModelArgs, Transformer, causal_mask, one_line
+import ops
 
-# Inductor settings for CPU steps, the one place they are set (the vanilla step and every cycle share them), measured
-# on a 2-core AMD EPYC (BENCHMARKS.md): cpp_wrapper calls the kernels from C++, no Python between them (the CPU's
-# answer to CUDA graphs). The weights come prepacked (quant.pack_linears), not frozen: one copy for every
-# graph, where each frozen graph holds its own. max_autotune (CPP GEMM templates) measured slower at one row there
-# and on an Intel Xeon, faster on later EPYCs: see choose.
-CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
-# --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. On a 2-core
-# AMD EPYC without AVX-512 (Zen 3) oneDNN's one-row fp32 linears stream 10 GB/s of a 24 GB/s DRAM and the templates
-# 17.7: the fp32 decode step 48.7 -> 29.3 ms (BENCHMARKS.md); on a Zen 4 with AVX-512 BF16 the bf16 step 17.5 -> 10.4
-# ms. The weights become graph constants, which Inductor's FX graph cache refuses as it comes (cache_frozen_graphs
-# makes it store them).
-CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
-# CUDA: gpt-fast's setting; it tunes the fused int8 dequantise-and-GEMV kernels of quant.QuantLinear.
-CUDA_INDUCTOR = {"coordinate_descent_tuning": True}
-
-
-COMPILE_CHOICES = ("auto", "max", "packed")  # the CLI's --compile values (packed: True)
-CACHE = "compile.json"
-# Templates must win clearly: they cost minutes more to compile the first time, and GiB of FX graph cache.
-MIN_GAIN = 1.2
-
-
-def choose(compile, target, log=print):
-    """compile "auto" (generate.py's and bench.py's --compile) -> True or "max": on a CPU "max" where a compiled
-    one-row decode step of the target's shapes ran MIN_GAIN x faster under Inductor's GEMM templates than over
-    oneDNN's packed weights, measured once per machine, dtype and shapes and cached like the dtype; else True.
-    A whole step, not its linears alone: on the Zen 4 box one row through the layer linears timed 1.03x where the
-    step gains 1.7x. The CPUs differ: on the 2-core AMD EPYCs the templates won 1.7x (Zen 3 fp32, Zen 4 bf16: 16.6
-    -> 9.7 ms a step, and eagle2 and lookup faster too), on an Intel Xeon they lost (26.3 against 10.4 ms a step).
-    A quantised target follows its activations' dtype: in bf16 the templates' int8 kernel won as the float one did
-    (Zen 4: int8 decoding 118 tok/s under max, 70 packed); in fp32 it keeps packed, whose int8_rows_mm / int4_rows_mm
-    kernels freezing turns off (quant.compiling_unfrozen). "packed" -> True; other values pass through."""
-    weight = target.tok_embeddings.weight
-    if compile != "auto":
-        return True if compile == "packed" else compile
-    quantised = any(isinstance(m, quant.QuantLinear) for m in target.modules())
-    if weight.device.type != "cpu" or (quantised and weight.dtype == torch.float32):
-        return True
-    a = step_args(target.args, weight.element_size())
-    kernel = "oneDNN" if quantised else quant.packed_kernel(weight.dtype)  # QuantLinear is no RowsLinear
-    key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
-          f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer} | packed: {kernel}"
-    entry = tp.from_rank0(cache.entry(CACHE, key, lambda e: e["choice"] in ("max", "packed")))  # tensor-parallel ranks must agree
-    if entry is None:
-        log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({kernel}) on this CPU, "
-            f"{weight.dtype} (once; a few minutes)")
-        try:
-            entry = tp.from_rank0(measure_step(a, weight.dtype, kernels=kernel != "oneDNN"))
-            entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
-        except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
-            entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
-        cache.store(CACHE, key, entry)
-        log(f"--compile: {entry['choice']} (a decode step: packed {entry['packed_ms']} ms, GEMM templates "
-            f"{entry['template_ms']} ms; cached in {cache.cache_dir() / CACHE}; --compile max or packed overrides)")
-    return "max" if entry["choice"] == "max" else True
-
-
-def step_args(args, element_size: int, min_bytes: int = 128 << 20):
-    """The target's ModelArgs cut to the layers whose weights, with the LM head's, hold min_bytes (four times a 32 MB
-    L3: a decode step streams its weights from memory), or all of them."""
-    layer = args.dim * (args.n_head + 2 * args.n_local_heads) * args.head_dim + args.n_head * args.head_dim * args.dim \
-        + 3 * args.dim * args.intermediate_size
-    head = args.vocab_size * args.dim
-    return replace(args, n_layer=max(1, min(args.n_layer, math.ceil((min_bytes / element_size - head) / layer))))
-
-
-def _decode(model, token, pos):
-    return model(token, pos, pos, causal_mask(pos, model.max_seq_length))[0]
-
-
-def measure_step(args, dtype, kernels: bool = True) -> dict:
-    """A one-row decode step of a Transformer(args) with random weights, compiled with the GEMM templates and
-    packed (as a Generator compiles its steps, the FX graph cache left out): {"template_ms", "packed_ms"}. Timed in a
-    child process, the templates first: once a model is packed for oneDNN, Inductor lowers its linear as a plain call
-    for the rest of the process (quant.lower_packed_linear_as_a_call), so a frozen graph compiled after it would run
-    oneDNN too (so measured by mistake once: 1.04x where the step gains 1.7x). kernels=False: packed over oneDNN even
-    where rowsmm's kernels run (a quantised target's linears are its own)."""
-    dtype = str(dtype).removeprefix("torch.")
-    child = [sys.executable, "-c", "import compiling, sys; compiling.time_steps(*sys.argv[1:])", json.dumps(asdict(args)), dtype]
-    env = os.environ | ({} if kernels else {"EAGLET_KERNELS": "0"})
-    run = subprocess.run(child, cwd=Path(__file__).parent, capture_output=True, text=True, env=env)
-    if run.returncode:
-        raise RuntimeError(f"timing the decode step failed: {run.stderr.strip().splitlines()[-1:]}")
-    return json.loads(run.stdout.strip().splitlines()[-1])
-
-
-@torch.no_grad()  # freezing wants it
-def time_steps(args: str, dtype: str, reps: int = 20, slots: int = 256):
-    """measure_step's child: prints the two times as JSON, the least disturbed of reps, the two taking turns."""
-    runs = {}
-    for name, setting in (("template_ms", "max"), ("packed_ms", True)):
-        torch.manual_seed(0)
-        model = Transformer(ModelArgs(**json.loads(args))).to(getattr(torch, dtype)).eval()
-        model.setup_caches(slots)
-        step = compiled(_decode, "cpu", prepare(setting, "cpu", model))
-        with torch._inductor.config.patch(fx_graph_cache=False):
-            step(model, torch.zeros(1, 1, dtype=torch.long), torch.zeros(1, dtype=torch.long))  # compiles (and autotunes)
-        runs[name] = (step, model)
-    best = dict.fromkeys(runs, float("inf"))
-    for i in range(reps):
-        token, pos = torch.full((1, 1), i + 1), torch.full((1,), i + 1)
-        for name, (step, model) in runs.items():
-            t0 = time.perf_counter()
-            step(model, token, pos)
-            best[name] = min(best[name], time.perf_counter() - t0)
-    print(json.dumps({name: round(1000 * t, 3) for name, t in best.items()}))
+COMPILE_CHOICES = ("auto", "max", "packed")  # the CLI's --compile values (packed: True; max and auto: a CPU's, cpu/inductor.py)
 
 
 def compiled(fn, device=None, frozen=None, **kw):
-    """torch.compile(fullgraph) with this device's Inductor settings (frozen, prepare's answer under --compile max:
-    CPU_INDUCTOR_MAX's, keyed by the frozen weights). Compiled artefacts persist in Inductor's on-disk caches (FX
-    graph and kernel caches), so a second process with the same model warms up faster."""
-    torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # skip unchanged modules' guards: 0.74 -> 0.29 ms a call
+    """torch.compile(fullgraph) with this device's Inductor settings (frozen: ops.prepare's answer, e.g. the options of
+    graphs over frozen weights). Compiled artefacts persist in Inductor's on-disk caches (FX graph and kernel caches),
+    so a second process with the same model warms up faster."""
+    torch._dynamo.config.use_recursive_dict_tags_for_guards = True  # skip unchanged modules' guards: far fewer checks a call
     torch._dynamo.config.capture_scalar_outputs = True  # model.live_width's .item() stays in the graph
     if device is not None:
         import torch._inductor.config as inductor_config
 
         # Global: every graph of the process shares them (options= below carries only a Generator's weight key).
-        cpu = CPU_INDUCTOR_MAX if frozen else CPU_INDUCTOR
-        for key, value in (cpu if torch.device(device).type == "cpu" else CUDA_INDUCTOR).items():
+        for key, value in ops.inductor_settings(torch.device(device), frozen).items():
             setattr(inductor_config, key, value)
     # Dynamo keeps its cache and recompile budget (8 variants) per code object: each Generator's copy of a step has
     # its own, so many tree shapes in one process never share one budget. Its automatic dynamic shapes go by source
@@ -159,207 +29,11 @@ def compiled(fn, device=None, frozen=None, **kw):
     return torch.compile(own, fullgraph=True, **{"dynamic": False, "options": frozen} | kw)
 
 
-def prepare(compile, device, *models):
-    """Readies the models' weights for compile (True, or "max") on device. -> None (the default settings: weights
-    prepacked for oneDNN, or for rowsmm's kernel in bf16 where it runs), or under --compile max on a CPU the Inductor
-    options of graphs over these models' frozen weights (CPU_INDUCTOR_MAX, GEMM templates), cached on disk like the rest.
-    Packed, a draft head reads int8 codes of its weights (quant.draft_head_in_int8): its outputs only rank drafts."""
-    if torch.device(device).type == "cpu" and any(p.dtype == torch.bfloat16 for m in filter(None, models) for p in m.parameters()):
-        rowsmm.available()  # builds the bf16 kernels: attention's serves the frozen graphs too
-    if compile == "max" and torch.device(device).type == "cpu":
-        cache_frozen_graphs()
-        return {"post_grad_custom_pre_pass": FrozenWeights(*models)}
-    quant.pack_linears(*models)
-    for head in (m for m in models if isinstance(m, DraftHead)):
-        quant.draft_head_in_int8(head)
-    return None
-
-
-class FrozenWeights(CustomGraphPass):
-    """A graph pass that does nothing; its uuid, a digest of the weights the graphs freeze, is part of the FX graph
-    cache key. Inductor keys frozen weights by shape and dtype alone (fetching them from the live module on a hit),
-    but stores the GEMM templates' repacked copies in the cache entry: without the digest, a checkpoint of the same
-    shapes would run on another's weights. The KV caches, which the steps write, are not weights."""
-
-    def __init__(self, *models):
-        h = hashlib.blake2b(digest_size=16)
-        for model in filter(None, models):
-            caches = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
-            for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-                if id(t) not in caches:
-                    h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-                    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-        self.digest = h.hexdigest()
-
-    def __call__(self, graph):
-        pass
-
-    def uuid(self) -> str:
-        return self.digest
-
-
-def _ident(x):
-    return x
-
-
-def cache_frozen_graphs():
-    """Lets Inductor's FX graph cache store graphs over frozen weights. Its weight-pack pass turns each frozen linear
-    weight into an MKL/oneDNN tensor before the cache computes its key, and the cache refuses such tensors ("mkldnn
-    tensors unpickleable"; every process compiled for minutes again), though a frozen tensor's value never enters
-    the key and comes from the live graph on a hit. So they are keyed by shape and dtype, as every other frozen
-    weight; FrozenWeights keys the values. Private API of torch 2.13 (requirements.txt): where it is missing,
-    graphs go uncached as before."""
-    import torch._inductor.codecache as cc
-    from torch._inductor.freezing_utils import is_frozen_param
-
-    validator, pickler = getattr(cc, "CacheabilityValidator", None), getattr(cc, "FxGraphCachePickler", None)
-    if not hasattr(validator, "check_tensor") or not hasattr(pickler, "_reduce_tensor") or hasattr(pickler, "eaglet"):
-        return
-    check, reduce = validator.check_tensor, pickler._reduce_tensor
-
-    def check_tensor(t):
-        if not (t.is_mkldnn and is_frozen_param(t)):
-            check(t)
-
-    def reduce_tensor(self, t):
-        if t.is_mkldnn and is_frozen_param(t):
-            return _ident, (("frozen mkldnn", tuple(t.shape), str(t.dtype)),)
-        return reduce(self, t)
-
-    validator.check_tensor, pickler._reduce_tensor, pickler.eaglet = staticmethod(check_tensor), reduce_tensor, True
-
-
 def sizing_compile(target, head=None, compile=True):
     """How sizing.py compiles the passes it times: as the Generator compiles its steps (weights packed, or frozen
     under --compile max), with the number of rows dynamic so one graph serves every tree size."""
     device = target.tok_embeddings.weight.device
-    frozen = prepare(compile, device, target, head)
+    frozen = ops.prepare(compile, target, head)
     compile_fn = lambda fn: compiled(fn, device, frozen, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)  # noqa: E731
     compile_fn.compile = compile  # part of sizing's cache key: --compile max's costs are its own
     return compile_fn
-
-
-# ---------------------------------------------------------------- compiled steps saved to disk
-# A step is traced and code-generated once per machine, model shape, tree and sampling rule; the next process loads
-# the result (torch's precompile: Dynamo's bytecode and Inductor's code in one file) in a second instead of compiling
-# it again for minutes. Dynamo's guards, which would re-check every input on every call, are left out of the package:
-# the file's key names everything they would have checked (every tensor's shape, dtype and layout, every Python value
-# the trace read off the modules, the tree, the sampling rule, this project's source, torch and the CPU), so a package
-# is only ever found for inputs it was built for. A package that cannot be read, or whose key disagrees with its
-# name, is said in one line and built again.
-PACKAGES = "compiled"
-
-
-def packages_enabled() -> bool:
-    """EAGLET_PACKAGES=0 compiles a CPU's steps lazily at their first call instead, as torch.compile does."""
-    return os.environ.get("EAGLET_PACKAGES", "1") != "0"
-
-
-def describe(x) -> str:
-    """What a traced step reads off one argument, as text: a module's classes, plain attributes and tensors."""
-    if isinstance(x, torch.nn.Module):
-        lines = []
-        for name, m in x.named_modules():
-            plain = {k: v for k, v in vars(m).items() if not k.startswith("_") and is_plain(v)}
-            tensors = {k: tensor_meta(t) for k, t in itertools.chain(m._parameters.items(), m._buffers.items())}
-            lines.append(f"{name}: {type(m).__module__}.{type(m).__qualname__} {sorted(plain.items())} {sorted(tensors.items())}")
-        return "\n".join(lines)
-    return tensor_meta(x) if isinstance(x, torch.Tensor) else repr(x)
-
-
-def is_plain(v) -> bool:
-    return v is None or isinstance(v, (bool, int, float, str)) or (isinstance(v, tuple) and all(map(is_plain, v))) \
-        or dataclasses.is_dataclass(v) and not isinstance(v, type)
-
-
-def tensor_meta(t) -> str:
-    if t is None:
-        return "None"
-    stride = "" if t.layout != torch.strided else f" stride {t.stride()}"
-    return f"{tuple(t.shape)} {t.dtype} {t.layout} {t.device.type}{stride}"
-
-
-@functools.cache
-def machine() -> str:
-    """The machine's side of a package key: torch, Python, the CPU and its instruction sets, threads."""
-    flags = next((line.split(":", 1)[1].split() for line in dtypes.cpuinfo() if line.startswith("flags")), [])
-    return f"torch {torch.__version__} | python {sys.version.split()[0]} | {dtypes.cpu_name()} | {' '.join(sorted(flags))} | " \
-           f"threads {torch.get_num_threads()}"
-
-
-@functools.cache
-def source_digest() -> str:
-    """This project's Python source: a step's code comes from any of it."""
-    h = hashlib.blake2b(digest_size=16)
-    for path in sorted(Path(__file__).parent.glob("*.py")):
-        h.update(path.name.encode() + path.read_bytes())
-    return h.hexdigest()
-
-
-def package_key(name: str, args: tuple, dynamic: bool) -> str:
-    import torch._inductor.config as inductor_config
-
-    settings = {k: getattr(inductor_config, k) for k in CPU_INDUCTOR}
-    parts = [name, f"dynamic {dynamic}", machine(), source_digest(), repr(sorted(settings.items()))] + [describe(a) for a in args]
-    return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
-
-
-def keep_shape_guards(entries) -> list:
-    """A dynamic step keeps the guards on its symbolic sizes (a prompt of one token is not one of many): the package
-    key cannot name a size that changes from call to call."""
-    return [e.guard_type == "SHAPE_ENV" for e in entries]
-
-
-def precompiled(name: str, fn, args: tuple, dynamic: bool = False, log=print) -> tuple:
-    """fn compiled for args (a step of a Generator), loaded from this machine's package if there is one, else compiled
-    now and saved. -> (callable, seconds spent compiling: 0 when loaded). A dynamic step checks its size guards and
-    runs eagerly on sizes outside them."""
-    folder = cache.cache_dir() / PACKAGES
-    key = package_key(name, args, dynamic)
-    path = folder / f"{name}-{key}.pt2"
-    step = load_package(path, key, fn, log)
-    seconds = 0.0
-    if step is None:
-        t0 = time.perf_counter()
-        log(f"compiling the {name.replace('_', ' ')} (once for this machine, model and tree; saved in {folder}) ...")
-        guards = keep_shape_guards if dynamic else torch.compiler.skip_all_guards_unsafe
-        # Floats stay constants: a symbolic float makes the trace restart, which a precompile cannot do.
-        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True):
-            step = compiled(fn, "cpu", options={"guard_filter_fn": guards}, dynamic=dynamic).aot_compile((args, {}))
-        seconds = time.perf_counter() - t0
-        log(f"compiled the {name.replace('_', ' ')} in {seconds:.1f} s")
-        save_package(step, path, key, log)
-    if not dynamic:
-        return step, seconds
-    return (lambda *a: step(*a) if step.guard_check(*a) else fn(*a)), seconds
-
-
-def load_package(path: Path, key: str, fn, log):
-    """The step saved at path, or None (no file; a damaged or mismatched one is said and removed)."""
-    try:
-        data = path.read_bytes()
-    except FileNotFoundError:
-        return None
-    except OSError as e:
-        log(f"warning: cannot read the compiled step {path} ({one_line(e)}): compiling it again")
-        return None
-    header, _, payload = data.partition(b"\n")
-    try:
-        if header.decode() != f"eaglet step {key}":
-            raise ValueError("its key does not match its name")
-        return torch.compiler.load_compiled_function(io.BytesIO(payload), f_globals=fn.__globals__)
-    except Exception as e:  # noqa: BLE001  (a package is data from disk: whatever is wrong with it, it is rebuilt)
-        log(f"warning: the compiled step {path} is damaged ({one_line(e)}): compiling it again")
-        with contextlib.suppress(OSError):  # a read-only cache keeps it; the step is compiled all the same
-            path.unlink()
-        return None
-
-
-def save_package(step, path: Path, key: str, log):
-    """Written whole or not at all (atomic.py); a cache directory that takes no files is said in one line."""
-    payload = f"eaglet step {key}\n".encode() + type(step).serialize(step).serialized_data
-    try:
-        path.parent.mkdir(parents=True, exist_ok=True)
-        atomic.write(path, lambda tmp: tmp.write_bytes(payload))
-    except OSError as e:
-        log(f"warning: cannot save the compiled step in {path.parent} ({one_line(e)}): the next run compiles it again")

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 import torch.nn.functional as F
 
-import cache
+import cachedir
 import tp
 
 CACHE = "dtypes.json"
@@ -89,12 +89,12 @@ def default_dtype(device, log=print) -> torch.dtype:
     if not native_bf16():  # no measurement to report: the summary line names the dtype
         return torch.float32
     key = f"{cpu_name()} | torch {torch.__version__}"
-    valid = lambda e: e["choice"] in ("float32", "bfloat16") and cache.number(e["float32_ms"]) and cache.number(e["bfloat16_ms"])  # noqa: E731
-    entry = tp.from_rank0(cache.entry(CACHE, key, valid))  # tensor-parallel ranks must agree
+    valid = lambda e: e["choice"] in ("float32", "bfloat16") and cachedir.number(e["float32_ms"]) and cachedir.number(e["bfloat16_ms"])  # noqa: E731
+    entry = tp.from_rank0(cachedir.entry(CACHE, key, valid))  # tensor-parallel ranks must agree
     if entry is None:  # said once, when measured; every run names its dtype in its summary line
         entry = tp.from_rank0(measure_cpu())
         entry["choice"] = "bfloat16" if entry["float32_ms"] > MIN_GAIN * entry["bfloat16_ms"] else "float32"
-        cache.store(CACHE, key, entry)
+        cachedir.store(CACHE, key, entry)
         log(f"dtype {entry['choice']} (one-row matmuls: float32 {entry['float32_ms']} ms, bfloat16 {entry['bfloat16_ms']} ms "
-            f"on this CPU; cached in {cache.cache_dir() / CACHE}; --dtype overrides)")
+            f"on this CPU; cached in {cachedir.root() / CACHE}; --dtype overrides)")
     return getattr(torch, entry["choice"])

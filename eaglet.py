@@ -5,12 +5,14 @@ from typing import Optional
 
 import torch
 
+import cpu  # noqa: F401  the CPU fast path registers itself into ops.py (the seam)
 import dtypes
+import ops
 import sizing
 import tp
 from checkpoint import (DEFAULT_HEAD, UsageError, check_device_dtype, checkpoint_tokenizer, default_checkpoint, load_draft_head,
                         load_draft_model, load_model)
-from compiling import choose, sizing_compile
+from compiling import sizing_compile
 from draft import DraftHead
 from generator import GREEDY, Generator, Result, acceptance_metrics, check_sampling, decode_one, log_stderr, prefill  # noqa: F401  (the API)
 from model import Transformer
@@ -28,7 +30,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
     (None: the shipped head of the default model); speculate: none | eagle2 | eagle | sps | lookup.
     device, dtype (str or torch.dtype): None picks CUDA if present and the dtype this device decodes fastest;
-    compile: False, True or "packed", "max", "auto" (a CPU's faster of the two, measured: compiling.choose).
+    compile: False, True or "packed", "max", "auto" (a CPU's faster of the two, measured: cpu/inductor.choose).
     depth, topk, num_draft_tokens: the eagle2 tree (what is left out is sized for the device, sizing.py);
     lookup_slots: s more eagle2 tree nodes filled from a prompt lookup match (dead when the text has none; default
     min(3, depth) when greedy, none when sampling; 0 turns them off);
@@ -47,7 +49,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     tokenizer = checkpoint_tokenizer(checkpoint)  # the checkpoint's files checked before the slow work: loading, measuring
     if target is None:
         target = load_target(checkpoint, device, dtype, log)
-    compile = choose(compile, target, log)
+    compile = ops.choose(compile, target, log)
     if speculate in ("eagle", "eagle2"):
         draft = draft or (DEFAULT_HEAD if default else None)
         if draft is None:

@@ -13,10 +13,10 @@ from torch import Tensor
 
 import batch
 import dtypes
-import quant
+import ops
 import tp
 from checkpoint import UsageError, check_prompts
-from compiling import choose, compiled, packages_enabled, precompiled, prepare
+from compiling import compiled
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
@@ -97,7 +97,6 @@ class Generator:
         self.target, self.spec, self.head, self.draft_model, self.tokenizer = target, spec, head, draft_model, tokenizer  # tokenizer: chat()'s
         self.kv_key = object()  # marks the target's caches as this Generator's (a copied target's never match)
         self.device = target.tok_embeddings.weight.device
-        quant.logits_in_fp32(target)  # bf16: fp32 logits where rowsmm's kernel runs, so near-ties go by value
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
         # EAGLE-3 heads read the states entering their tap layers, handed over by the prefill and verify passes (target.taps)
@@ -111,13 +110,14 @@ class Generator:
         # generate_batch's steps: every row's cycle (lookup: always with drafts) or decode step in one vmapped call
         self.rows, self.batch_cycle = None, batch.batched(self.cycle) if spec else None
         self.batch_step = batch.batched(decode_row)
-        # A CPU's steps over packed weights are built by build() before an answer and saved on disk (compiling.precompiled);
-        # other settings (CUDA graphs, --compile max's frozen weights) compile each step at its first call, as torch.compile does.
-        self.packaged, self.built, self.compile_seconds = False, None, 0.0
-        if compile:  # True (packed), "max" (compiling.prepare) or "auto" (compiling.choose)
-            frozen = prepare(choose(compile, target, log_stderr), self.device, target, head, draft_model)
+        # The one place a backend enters (ops.py): it readies the weights (on a CPU, cpu/ packs them for its kernels).
+        frozen = ops.prepare(ops.choose(compile, target, log_stderr), target, head, draft_model)
+        # A backend may build the steps before an answer (build(): on a CPU compiled once per machine and saved); else
+        # (CUDA graphs, --compile max's frozen weights) each step compiles at its first call, as torch.compile does.
+        self.precompile = ops.step_compiler(self.device, frozen) if compile and tp.world_size() == 1 else None
+        self.packaged, self.built, self.compile_seconds = self.precompile is not None, None, 0.0
+        if compile:
             mode = "reduce-overhead" if self.device.type == "cuda" else None  # reduce-overhead = CUDA graphs
-            self.packaged = self.device.type == "cpu" and frozen is None and tp.world_size() == 1 and packages_enabled()
             if not self.packaged:
                 self.prefill = compiled(prefill, self.device, frozen, dynamic=True)
                 self.decode_one = compiled(decode_one, self.device, frozen, mode=mode)
@@ -130,10 +130,10 @@ class Generator:
 
     def build(self, sampling: Sampling = GREEDY, log=log_stderr):
         """Every step generate() runs for this sampling rule and cache size, compiled now (or loaded from the last process
-        that compiled it): nothing compiles inside an answer. A no-op unless the Generator's steps are packaged."""
+        that compiled it): nothing compiles inside an answer. Compiles nothing unless the steps are packaged."""
+        self.target.taps = self.taps  # another Generator may share the target: the steps run with this one's features
         if not self.packaged:
             return
-        self.target.taps = self.taps  # another Generator may share the target: the steps trace this one's features
         self.reserve(1)  # the caches and cycle buffers every step reads, at least at their smallest size
         if self.built == (sampling, self.target.max_seq_length):
             return
@@ -149,7 +149,7 @@ class Generator:
                 steps.append(("lookup_step", lookup_step, args, False))
         built = {}
         for name, fn, args, dynamic in steps:
-            built[name], seconds = precompiled(name, fn, args, dynamic, log)
+            built[name], seconds = self.precompile(name, fn, args, dynamic, log)
             self.compile_seconds += seconds
         self.prefill = built["prefill"]
         self.decode_one = built.get("decode_step", self.decode_one)
@@ -202,7 +202,6 @@ class Generator:
         self.check([prompt], max_new_tokens, stop_ids, sampling)
         fresh = self.reserve(len(prompt) + max_new_tokens)
         self.build(sampling)  # before the first token; compiles only for a new sampling rule or cache size
-        self.target.taps = self.taps  # another Generator may share the target
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
         sync = dtypes.synchronizer(self.device)
         sync()

@@ -16,7 +16,7 @@ from torch import Tensor
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import atomic
-import rowsmm
+import ops
 
 
 @dataclass
@@ -171,8 +171,8 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tens
     softmax (the cache is not copied to join them); the mask covers both."""
     (B, H, T, D), n_kv, S = q.shape, k.shape[1], k.shape[2]
     G = H // n_kv
-    if (fused := torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES)) and rowsmm.attends(q):
-        return torch.ops.eaglet.attend(q.contiguous(), k, v, mask.expand(B, H, T, -1), *(tree or (k[:, :, :0], v[:, :, :0])), D**-0.5)
+    if (fused := torch.compiler.is_compiling() and statically_known_true(T <= FUSED_QUERIES)) and ops.attends(q):
+        return ops.attend(q.contiguous(), k, v, mask.expand(B, H, T, -1), *(tree or (k[:, :, :0], v[:, :, :0])), D**-0.5)
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
     keys, values = [k] + ([tree[0]] if tree else []), [v] + ([tree[1]] if tree else [])

@@ -13,7 +13,6 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
-import rowsmm
 from model import find_multiple
 
 MODES = ("int8", "int4")
@@ -23,9 +22,6 @@ GROUPSIZES = (32, 64, 128)
 # once and running a dense tensor-core GEMM: gpt-fast's int4 layer took 7.8x its one-row time at 64 rows, and
 # its int8 layer 170x, where a bf16 GEMM took 1.2x. A tree verify has about 60 rows, a draft step 1 to topk.
 KERNEL_MAX_ROWS = 16
-# Rows from which a bf16 RowsLinear hands its product to oneDNN's GEMM (RowsLinear).
-GEMM_ROWS = 2048
-# Rows one compiled CPU kernel of int8_rows_mm / int4_rows_mm serves at once: each row adds accumulators.
 ROWS_CHUNK = 8
 
 
@@ -262,162 +258,6 @@ class QuantLinear(nn.Module):
 
 
 # ---------------------------------------------------------------- float weights prepacked for a CPU
-
-class PackedLinear(nn.Linear):
-    """nn.Linear whose CPU forward reads its weight prepacked in oneDNN's blocked layout, packed once here. An
-    unpacked bf16 weight costs oneDNN a reorder at every call: 1.5-2x the packed time at 1 to 16 rows (2-core AMD
-    EPYC). Inductor's freezing packs too, but as constants of each graph, which every graph copies and its FX graph
-    cache refuses as it comes (compiling.cache_frozen_graphs lets it store them, for --compile max); a packed buffer
-    is an ordinary graph input, one copy for every graph (lower_packed_linear_as_a_call makes the op a plain call)."""
-
-    def __init__(self, linear: nn.Linear):
-        nn.Module.__init__(self)
-        self.in_features, self.out_features = linear.in_features, linear.out_features
-        self.weight, self.bias = linear.weight, linear.bias  # kept: loaders, converters and non-CPU devices read it
-        self.register_buffer("packed", None, persistent=False)
-        self.register_load_state_dict_post_hook(PackedLinear.repack)  # new weights, new packed copy
-        self.pack()
-        batch_packed_linear()
-
-    def pack(self):
-        # oneDNN's bf16 kernels need a CPU it supports them on (the check Inductor's own prepacking makes); else nn.Linear
-        dtypes = (torch.float32, torch.bfloat16) if torch.ops.mkldnn._is_mkldnn_bf16_supported() else (torch.float32,)
-        cpu = self.weight.device.type == "cpu" and self.weight.dtype in dtypes
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(self.weight.detach(), 1) if cpu else None
-
-    @staticmethod
-    def repack(module, incompatible_keys):
-        module.pack()
-
-    def _apply(self, fn, recurse=True):
-        self.packed = None  # an opaque oneDNN tensor neither moves nor casts: pack the moved weight again
-        super()._apply(fn, recurse)
-        self.pack()
-        return self
-
-    def __getstate__(self):  # deepcopy, pickle: an opaque oneDNN tensor has no storage to copy; the copy packs its own
-        return self.__dict__ | {"_buffers": self._buffers | {"packed": None}}
-
-    def __setstate__(self, state):
-        super().__setstate__(state)
-        self.pack()
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None or x.dtype != self.weight.dtype:
-            return super().forward(x)
-        return torch.ops.mkldnn._linear_pointwise(x, self.packed, self.bias, "none", [], "")
-
-
-class RowsLinear(PackedLinear):
-    """PackedLinear whose bf16 weight is packed for rowsmm's kernel instead (where rowsmm.fits it: AVX512-BF16): the
-    weight read once for up to 16 rows, where oneDNN and the GEMM templates turn compute-bound past a few. From
-    GEMM_ROWS rows on (a long prompt's prefill, a batch of prompts) oneDNN's GEMM on the plain weight is faster: at
-    3840 rows on one thread of an AMX Xeon 1.3-2x (576x576: 1.78 against 3.34 ms), more where the kernel has no tiles."""
-
-    fp32_out = False  # logits_in_fp32: sums written as they are, not rounded to bf16
-
-    def pack(self):
-        self.packed = rowsmm.pack(self.weight.detach()) if rowsmm.fits(self) else None
-
-    def forward(self, x: Tensor) -> Tensor:
-        gemm = not self.fp32_out and x.numel() >= GEMM_ROWS * self.in_features  # fp32 logits stay the kernel's
-        if self.packed is None or x.dtype != self.weight.dtype or gemm:
-            return nn.Linear.forward(self, x)
-        y = (torch.ops.eaglet.rows_mm_f32 if self.fp32_out else torch.ops.eaglet.rows_mm)(x, self.packed)
-        return y if self.bias is None else y + self.bias
-
-
-class RowsLinearInt8(RowsLinear):
-    """RowsLinear reading int8 codes of its weight (quantize_int8's, one scale per output), half the bytes: for a draft
-    head, whose outputs only rank drafts, the verify deciding what is kept. A cycle reads the head first just after the
-    verify streamed the whole target through the caches: its 16384-row LM head cold 1.0 -> 0.55 ms on a 2-core AMD
-    EPYC (Zen 4), and the head's layer half its bytes too, at the same tau (BENCHMARKS.md)."""
-
-    def pack(self):
-        codes, scales = quantize_int8(self.weight.detach()) if rowsmm.fits(self) else (None, None)
-        self.packed = None if codes is None else rowsmm.pack_int8(codes)
-        self.register_buffer("scales", scales, persistent=False)
-
-    def forward(self, x: Tensor) -> Tensor:
-        if self.packed is None or x.dtype != self.weight.dtype:
-            return nn.Linear.forward(self, x)
-        y = torch.ops.eaglet.rows_mm_int8(x, self.packed, self.scales)
-        return y if self.bias is None else y + self.bias
-
-
-def draft_head_in_int8(head: nn.Module) -> nn.Module:
-    """Every packed bf16 linear of a draft head (pack_linears' RowsLinear) as a RowsLinearInt8; others unchanged."""
-    replace_linears(head, lambda linear: RowsLinearInt8(linear) if type(linear) is RowsLinear and linear.packed is not None else linear)
-    return head
-
-
-def logits_in_fp32(model: nn.Module) -> nn.Module:
-    """A bf16 model's LM head as a RowsLinear writing fp32 logits, where rowsmm's kernel runs (else unchanged). Rounded
-    to bf16, logits near 25 lie 0.125 apart and near-ties break by token id: SmolLM2 answered "What is the capital of
-    France?" with "L'Étoile..." where fp32 says "The capital of France is Paris." (25.33 against 25.24 in fp32; 25.38
-    both in bf16; 25.43 against 25.34 as fp32 sums of the same bf16 products). No autograd: for decoding only."""
-    if rowsmm.fits(model.output):
-        if not isinstance(model.output, RowsLinear):
-            model.output = RowsLinear(model.output)
-        model.output.fp32_out = True
-    return model
-
-
-def pack_linears(*models):
-    """Every float nn.Linear of the CPU models given (None: skipped) in place as a RowsLinear (bf16 on a CPU with
-    AVX512-BF16) or a PackedLinear, where this build has oneDNN. The CPU's compiled steps read them so; other devices
-    stay as they are."""
-    lower_packed_linear_as_a_call()
-    for model in models:
-        if model is not None and next(model.parameters()).device.type == "cpu" and torch.backends.mkldnn.is_available():
-            replace_linears(model, pack_linear)
-
-
-def pack_linear(linear: nn.Linear) -> nn.Linear:
-    """bf16 where the CPU has AVX512-BF16: the rows kernel (rowsmm.py); else oneDNN's packed layout."""
-    if isinstance(linear, PackedLinear):
-        return linear
-    return RowsLinear(linear) if rowsmm.fits(linear) else PackedLinear(linear)
-
-
-def packed_kernel(dtype) -> str:
-    """What runs a packed CPU linear of this dtype (part of the keys of measured costs: the kernels cost differently)."""
-    if dtype != torch.bfloat16 or not rowsmm.available():
-        return "oneDNN"
-    return f"rows kernel, AMX from {rowsmm.AMX_MIN_ROWS} rows" if rowsmm.AMX else "rows kernel"
-
-
-@functools.cache
-def lower_packed_linear_as_a_call():
-    """Inductor lowers oneDNN's packed linear only for a weight it packed itself (a frozen constant; it asserts
-    so); PackedLinear's is a graph input, so the op becomes a plain call of the same kernel. Its post-grad pass
-    fuses a following add into the op's `.binary` overload, which has no shape function: one is given here."""
-    import torch._inductor.lowering as lowering
-    import torch._inductor.mkldnn_lowerings  # noqa: F401  (registers the lowerings replaced here)
-
-    torch.library.register_fake("mkldnn::_linear_pointwise.binary")(lambda x, other, w, b, attr: torch.empty_like(other))
-    for op in (torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary):
-        lowering.lowerings.pop(op, None)
-        lowering.make_fallback(op)
-
-
-@functools.cache
-def batch_packed_linear():
-    """oneDNN's packed linear has no vmap rule: under batch.py's vmap its fallback ran it once per row, each row
-    reading the whole weight (compiled: B unrolled calls), so a batch of B cost about B single steps. A linear
-    treats any leading dims as rows, so the rule is one call with the batch dim moved to the front. Not a plain
-    linear instead: on a 2-core AMD EPYC (Zen 3) fp32 unpacked it is 2x slower (LM head at 4 rows 35.6 against
-    14.4 ms)."""
-
-    def rule(info, in_dims, x, weight, bias, attr, scalars, algorithm):
-        if any(d is not None for d in in_dims[1:3]):
-            raise NotImplementedError("a packed linear batched over its weights")
-        x = x if in_dims[0] is None else x.movedim(in_dims[0], 0)
-        return torch.ops.mkldnn._linear_pointwise(x, weight, bias, attr, scalars, algorithm), None if in_dims[0] is None else 0
-
-    torch.library.register_vmap("mkldnn::_linear_pointwise", rule)
-
-
 # ---------------------------------------------------------------- models
 
 def replace_linears(model: nn.Module, make):

@@ -4,7 +4,7 @@ from dataclasses import dataclass
 import torch
 from torch import Tensor
 
-import rowsmm
+import ops
 
 
 def logits_to_probs(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0) -> Tensor:
@@ -57,12 +57,12 @@ def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
     """One token per row of logits: argmax at temperature 0, else a sample of the processed distribution; with noise
     (Gumbels, a row each), the sample those make, argmax(log p + noise), which drafts coupled to it can foresee."""
     if temperature == 0:
-        return rowsmm.argmax(logits)
+        return ops.argmax(logits)
     if noise is not None:  # a row's log-normaliser does not move its argmax; -inf where top-k or top-p drop a token
         scaled = logits_to_probs(logits, temperature, top_k, top_p).log() if top_k or top_p < 1.0 else logits.float() / temperature
-        return rowsmm.argmax(scaled + noise)
-    if not top_k and top_p >= 1.0 and rowsmm.serves(logits):
-        return rowsmm.sample(logits, temperature, uniform(logits.shape[:-1], logits.device))
+        return ops.argmax(scaled + noise)
+    if not top_k and top_p >= 1.0 and ops.samples(logits):
+        return ops.sample(logits, temperature, uniform(logits.shape[:-1], logits.device))
     return sample(logits_to_probs(logits, temperature, top_k, top_p))
 
 

@@ -1,7 +1,7 @@
 # Draft tree sizes for the device. Verifying T tree tokens costs r(T) decode steps: about 1 up to T=64 on an
 # H100 (the weights are read once either way), about 2 at T=16 on a 2-core CPU (the matmuls turn
 # compute-bound). So we time r(T) and one draft level once per device, model and dtype (cached in
-# $EAGLET_CACHE/tree_sizes.json, cache.py), and pick the (m, depth, k) with the most expected tokens per unit of time.
+# $EAGLET_CACHE/tree_sizes.json, cachedir.py), and pick the (m, depth, k) with the most expected tokens per unit of time.
 #
 # Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
 # draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
@@ -11,13 +11,14 @@ from itertools import product
 
 import torch
 
-import cache
+import cachedir
 import dtypes
+import ops
 import tp
 from checkpoint import UsageError
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple
-from quant import KERNEL_MAX_ROWS, QuantLinear, packed_kernel
+from quant import KERNEL_MAX_ROWS, QuantLinear
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -220,7 +221,7 @@ def cache_key(target, head, compiled=False) -> str:
             f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
             f"|costs {COSTS_VERSION}"
             + ("|compiled" if compiled else "") + (" max" if compiled == "max" else "")
-            + (f" {packed_kernel(target.tok_embeddings.weight.dtype)}" if compiled is True else ""))
+            + (f" {ops.kernel_name(target.tok_embeddings.weight.dtype)}" if compiled is True else ""))
 
 
 CACHE = "tree_sizes.json"
@@ -229,8 +230,8 @@ CACHE = "tree_sizes.json"
 def valid_costs(entry: dict) -> bool:
     """A cached cost entry as measure_costs writes it (and record_sweep's trees): anything else is measured again."""
     verify, trees = entry["verify"], [entry[k] for k in (swept_key(False), swept_key(True)) if k in entry]
-    return (cache.number(entry["decode_ms"]) and len(verify) >= 2 and all(int(t) > 0 and cache.number(r) for t, r in verify.items())
-            and all(cache.number(entry["level"][k]) for k in ("4", "10"))
+    return (cachedir.number(entry["decode_ms"]) and len(verify) >= 2 and all(int(t) > 0 and cachedir.number(r) for t, r in verify.items())
+            and all(cachedir.number(entry["level"][k]) for k in ("4", "10"))
             and all(len(t) == 3 and all(isinstance(x, int) and x > 0 for x in t) for t in trees))
 
 
@@ -239,13 +240,13 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
     compiled: measure_costs), measured now (seconds; a minute when compiling) if there is none.
     Under tensor parallelism every rank measures together and rank 0's entry counts."""
     key = cache_key(target, head, getattr(compile_fn, "compile", compile_fn is not None))
-    entry = tp.from_rank0(cache.entry(CACHE, key, valid_costs))
+    entry = tp.from_rank0(cachedir.entry(CACHE, key, valid_costs))
     if entry is None:
         if tp.rank() == 0:
             how = "compiled steps" if compile_fn else "eager steps"
-            log(f"sizing the draft tree for this device from its {how} (once; cached in {cache.cache_dir() / CACHE})")
+            log(f"sizing the draft tree for this device from its {how} (once; cached in {cachedir.root() / CACHE})")
         entry = tp.from_rank0(measure_costs(target, head, compile_fn))
-        cache.store(CACHE, key, entry)
+        cachedir.store(CACHE, key, entry)
     return entry
 
 
@@ -258,7 +259,7 @@ def swept_key(sampling: bool) -> str:
 def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False):
     """bench.py --sweep's measured winner, which then replaces the cost model's choice (for sampling if it sampled)."""
     key = cache_key(target, head, compiled)
-    cache.store(CACHE, key, cache.read(CACHE).get(key, {}) | {swept_key(sampling): list(best)})
+    cachedir.store(CACHE, key, cachedir.read(CACHE).get(key, {}) | {swept_key(sampling): list(best)})
 
 
 def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1,

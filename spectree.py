@@ -106,7 +106,7 @@ def grow_coupled(root_logp: Tensor, step, widths: tuple, noise: Tensor):
     of the tree is argmax(log p + noise[d-1]) (sampling.draw), so the draft ranks by log q + the same noise: where q is
     close to p, its top candidate is the token the target will draw, not merely a likely one. On MT-bench at T=1, head
     12's 10 best guesses hold the target's draw 0.77 of the time this way, against 0.60 for its 10 most probable tokens
-    (benchmarks/head_agreement.py --sampled).
+    (train/head_agreement.py --sampled).
 
     Lossless because a level's nodes are chosen from noise[:level] alone: the target's draw at a depth-d node reads
     noise[d], which nothing that decided the path to that node has seen, so it is a fresh sample of p there. That

@@ -7,6 +7,7 @@ import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
+import cpu  # noqa: E402,F401  the tests run what eaglet.py runs: the CPU backend registered into ops.py
 import sampling  # noqa: E402
 import spectree  # noqa: E402
 from draft import Eagle3Head, EagleHead  # noqa: E402

@@ -14,15 +14,15 @@ from pathlib import Path
 import pytest
 import torch
 
-import bench
-import cache
+import cachedir
 import checkpoint
-import compiling
 import dtypes
 import eaglet
 import generate
 import sizing
+from bench import bench
 from checkpoint import UsageError
+from cpu import inductor
 from convert_hf_checkpoint import convert_hf
 from draft import EagleHead, save_head
 from hf_fixtures import write_gguf, write_hf_llama
@@ -54,7 +54,7 @@ def dirs(tmp_path_factory):
 
 def run(script, *argv, timeout=120):
     # --dtype: a first run on a fresh machine would also report its dtype measurement on stderr
-    dtype = ["--dtype", "float32"] if script in ("generate.py", "bench.py") else []
+    dtype = ["--dtype", "float32"] if script in ("generate.py", "bench/bench.py") else []
     return subprocess.run([sys.executable, script, *dtype, *map(str, argv)], cwd=REPO, capture_output=True, text=True, timeout=timeout)
 
 
@@ -160,24 +160,24 @@ def test_bench_prompts_that_are_not_utf8(dirs, tmp_path):
     root, _ = dirs
     prompts = tmp_path / "latin1.jsonl"
     prompts.write_bytes(json.dumps({"turns": ["caf\u00e9"]}).encode().replace(b"\\u00e9", b"\xe9") + b"\n")
-    assert_one_line_exit_2(run("bench.py", "--checkpoint", root / "ckpt", "--modes", "none", "--prompts", prompts), "not MT-bench-format UTF-8 jsonl")
+    assert_one_line_exit_2(run("bench/bench.py", "--checkpoint", root / "ckpt", "--modes", "none", "--prompts", prompts), "not MT-bench-format UTF-8 jsonl")
 
 
 def test_bench_refuses_an_unknown_mode(dirs):
     root, _ = dirs
     # It once ran eagle2 under an unknown name (then "lookup") and reported it as that mode.
-    assert_one_line_exit_2(run("bench.py", "--checkpoint", root / "ckpt", "--modes", "none,medusa"), "unknown --modes 'medusa'")
+    assert_one_line_exit_2(run("bench/bench.py", "--checkpoint", root / "ckpt", "--modes", "none,medusa"), "unknown --modes 'medusa'")
 
 
 def test_an_unknown_compile_setting(dirs):
     root, _ = dirs
-    for script in ("generate.py", "bench.py"):
+    for script in ("generate.py", "bench/bench.py"):
         assert_one_line_exit_2(run(script, "--checkpoint", root / "ckpt", "--compile", "fast"), "invalid choice: 'fast' (choose from 'auto', 'max', 'packed')")
 
 
 def test_bench_runs_on_the_shipped_mt_bench_questions(dirs):
     root, _ = dirs
-    r = run("bench.py", "--checkpoint", root / "ckpt", "--modes", "none", "--num-prompts", "2", "--max-new-tokens", "4")
+    r = run("bench/bench.py", "--checkpoint", root / "ckpt", "--modes", "none", "--num-prompts", "2", "--max-new-tokens", "4")
     assert r.returncode == 0, r.stderr[-2000:]
     assert "2 conversations" in r.stdout
 
@@ -407,12 +407,12 @@ def test_a_damaged_tree_sizes_json_is_named_measured_again_and_rewritten(dirs, o
 
 def test_a_damaged_compile_json_is_named_measured_again_and_rewritten(dirs, own_cache, capsys, monkeypatch):
     root, _ = dirs
-    monkeypatch.setattr(compiling, "measure_step", lambda *a, **k: {"packed_ms": 2.0, "template_ms": 1.0})
+    monkeypatch.setattr(inductor, "measure_step", lambda *a, **k: {"packed_ms": 2.0, "template_ms": 1.0})
     own_cache.mkdir(parents=True)
-    path = own_cache / compiling.CACHE
+    path = own_cache / inductor.CACHE
     path.write_text("\x00\x00")
     target = checkpoint.load_model(root / "ckpt")
-    assert compiling.choose("auto", target, log=lambda s: None) == "max"
+    assert inductor.choose("auto", target, log=lambda s: None) == "max"
     err = capsys.readouterr().err
     assert len(warnings(err)) == 1 and str(path) in warnings(err)[0], err
     assert [e["choice"] for e in json.loads(path.read_text()).values()] == ["max"]
@@ -451,7 +451,7 @@ def test_a_full_cache_disk_measures_without_saving(dirs, own_cache, capsys, monk
 
 
 def test_cache_writes_leave_no_half_file(own_cache, monkeypatch):
-    cache.store("x.json", "a", {"v": 1})
+    cachedir.store("x.json", "a", {"v": 1})
 
     def torn(path, text, encoding=None):
         path.write_bytes(text.encode()[:5])
@@ -459,7 +459,7 @@ def test_cache_writes_leave_no_half_file(own_cache, monkeypatch):
 
     monkeypatch.setattr(Path, "write_text", torn)
     with pytest.raises(KeyboardInterrupt):
-        cache.store("x.json", "b", {"v": 2})
+        cachedir.store("x.json", "b", {"v": 2})
     monkeypatch.undo()
     assert json.loads((own_cache / "x.json").read_text()) == {"a": {"v": 1}}
     assert [p.name for p in own_cache.iterdir()] == ["x.json"]  # the temporary file went too
@@ -493,7 +493,7 @@ def test_default_model_conversion_on_a_full_disk(dirs, own_cache, capsys, monkey
 
 # ---------------------------------------------------------------- Ctrl-C: status 130, one line, no traceback
 
-CLIS = ["generate.py", "bench.py", "convert_hf_checkpoint.py", "quantize.py", "train_draft.py", "calibration.py"]
+CLIS = ["generate.py", "bench/bench.py", "convert_hf_checkpoint.py", "quantize.py", "train/train_draft.py", "bench/calibration.py"]
 # generate.py as its own __main__, with a decode step slowed enough to be interrupted in and a line on stderr at the
 # first step: the marker to send Ctrl-C at, rather than a guess of how long loading takes.
 SLOW_STEPS = """

@@ -3,8 +3,8 @@ import json
 
 import pytest
 
-import bench
-import peers
+from bench import bench
+from bench import peers
 from convert_hf_checkpoint import convert_hf
 from draft import EagleHead, save_head
 from hf_fixtures import write_hf_llama

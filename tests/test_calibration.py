@@ -3,7 +3,7 @@ import math
 import pytest
 import torch
 
-import calibration
+from bench import calibration
 from eaglet import Generator
 from sampling import Sampling
 from speculate import TreeSpec

@@ -1,6 +1,6 @@
 # torch.compile wiring: compiled steps give the eager tokens and never recompile once warm. On a GPU
 # the decode step and the cycle are CUDA graphs (mode reduce-overhead); on a CPU Inductor's C++ code with the
-# settings of compiling.CPU_INDUCTOR and the weights prepacked for oneDNN (quant.PackedLinear): the fp32 equality
+# settings of inductor.CPU_INDUCTOR and the weights prepacked for oneDNN (linears.PackedLinear): the fp32 equality
 # below proves the packed layers compute what nn.Linear does and that the steps keep every buffer they mutate.
 import json
 import os
@@ -14,8 +14,8 @@ import torch._dynamo
 import torch._inductor.config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
-import compiling
 import spectree
+from cpu import inductor
 from eaglet import Generator
 from sampling import Sampling
 from speculate import TreeSpec
@@ -69,7 +69,7 @@ def test_compiled_matches_eager_without_recompiling(tiny_args, random_model, ran
     eager = Generator(target, spec, **kw)
     compiled = Generator(target, spec, **kw, compile=True)
     if device == "cpu":
-        assert all(getattr(inductor_config, k) == v for k, v in compiling.CPU_INDUCTOR.items())
+        assert all(getattr(inductor_config, k) == v for k, v in inductor.CPU_INDUCTOR.items())
     torch._dynamo.reset()
     first, *rest = prompts([7, 13, 29])
     assert compiled.generate(first, 24, Sampling()).token_ids == eager.generate(first, 24, Sampling()).token_ids
@@ -234,11 +234,11 @@ def run_warm_start(cache: Path, mode: str) -> tuple:
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
 @pytest.mark.parametrize("mode", ["none", "eagle2"])
 def test_a_second_process_loads_the_compiled_steps_and_a_damaged_one_is_rebuilt(tmp_path, mode):
-    """The first process compiles every step before its first answer and saves it (compiling.precompiled); the second
+    """The first process compiles every step before its first answer and saves it (inductor.precompiled); the second
     loads them, compiling nothing, and decodes the same tokens (fp32 greedy: eager's). A package cut short, or one whose
     content belongs to another step, is said in one line and built again."""
     cold, warnings = run_warm_start(tmp_path, mode)
-    packages = sorted((tmp_path / compiling.PACKAGES).glob("*.pt2"))
+    packages = sorted((tmp_path / inductor.PACKAGES).glob("*.pt2"))
     assert cold["compile_s"] > 0 and not warnings and len(packages) == 2  # the prefill and the decode step or cycle
     warm, warnings = run_warm_start(tmp_path, mode)
     assert warm["compile_s"] == 0 and not warnings and warm["tokens"] == cold["tokens"]
@@ -282,7 +282,7 @@ print(json.dumps({{"tokens": out, "fxgraph": fxgraph}}))
 
 @pytest.mark.skipif(sys.platform != "linux", reason="the CPU compile settings are measured on Linux")
 def test_compile_max_runs_gemm_templates_matches_eager_and_is_cached_by_weights(tmp_path):
-    """--compile max (compiling.CPU_INDUCTOR_MAX: frozen weights, Inductor's C++ GEMM templates): fp32 greedy tokens
+    """--compile max (inductor.CPU_INDUCTOR_MAX: frozen weights, Inductor's C++ GEMM templates): fp32 greedy tokens
     equal eager decoding for vanilla and an eagle2 cycle with lookup slots, and the compiled code holds template
     micro-kernels (a silent fall-back to oneDNN's linears would fail). A second process loads every graph from the
     FX graph cache; a model of the same shapes with other weights compiles its own (a hit would decode with the
@@ -313,34 +313,34 @@ def test_compile_max_runs_gemm_templates_matches_eager_and_is_cached_by_weights(
 @pytest.fixture
 def compile_cache(tmp_path, monkeypatch):
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
-    return tmp_path / compiling.CACHE
+    return tmp_path / inductor.CACHE
 
 
 @pytest.mark.parametrize("packed_ms,template_ms,choice", [(10.0, 5.0, "max"), (10.0, 9.0, True), (5.0, 10.0, True)])
 def test_compile_auto_takes_the_templates_where_they_measured_faster_once_then_cached(tiny_args, random_model, compile_cache,
                                                                                        monkeypatch, packed_ms, template_ms, choice):
-    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype, kernels: {"packed_ms": packed_ms, "template_ms": template_ms})
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: {"packed_ms": packed_ms, "template_ms": template_ms})
     target, logs = random_model(tiny_args(), seed=0), []
-    assert compiling.choose("auto", target, log=logs.append) == choice
+    assert inductor.choose("auto", target, log=logs.append) == choice
     (key, entry), = json.loads(compile_cache.read_text()).items()
     a = target.args
     assert entry["choice"] == ("max" if choice == "max" else "packed") and f"{torch.float32} | dim {a.dim} ffn {a.intermediate_size}" in key
     assert str(compile_cache) in logs[-1] and entry["choice"] in logs[-1]
-    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype, kernels: pytest.fail("the second call must read the cache"))
-    assert compiling.choose("auto", target, log=logs.append) == choice and len(logs) == 2  # said once, when measured
-    assert compiling.choose("packed", target) is True and compiling.choose("max", target) == "max"  # asked for: as asked
-    assert compiling.choose(False, target) is False
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: pytest.fail("the second call must read the cache"))
+    assert inductor.choose("auto", target, log=logs.append) == choice and len(logs) == 2  # said once, when measured
+    assert inductor.choose("packed", target) is True and inductor.choose("max", target) == "max"  # asked for: as asked
+    assert inductor.choose(False, target) is False
 
 
 def test_compile_auto_keeps_an_fp32_quantised_target_on_its_rows_kernels_and_a_bf16_one_follows_the_measurement(
         tiny_args, random_model, compile_cache, monkeypatch):
     import quant
-    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype, kernels: pytest.fail("an fp32 quantised target must not measure"))
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: pytest.fail("an fp32 quantised target must not measure"))
     target = quant.quantize_model(random_model(tiny_args(), seed=0), "int8", 0)
-    assert compiling.choose("auto", target) is True and not compile_cache.exists()  # freezing would turn its kernels off
-    # bf16: packed timed over oneDNN, as its QuantLinear layers are no quant.RowsLinear, and kept apart from float targets
-    monkeypatch.setattr(compiling, "measure_step", lambda args, dtype, kernels: {"packed_ms": 10.0 + kernels, "template_ms": 5.0})
-    assert compiling.choose("auto", quant.quantize_model(random_model(tiny_args(), seed=0).bfloat16(), "int8", 0)) == "max"
+    assert inductor.choose("auto", target) is True and not compile_cache.exists()  # freezing would turn its kernels off
+    # bf16: packed timed over oneDNN, as its QuantLinear layers are no linears.RowsLinear, and kept apart from float targets
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: {"packed_ms": 10.0 + rows_kernel, "template_ms": 5.0})
+    assert inductor.choose("auto", quant.quantize_model(random_model(tiny_args(), seed=0).bfloat16(), "int8", 0)) == "max"
     (key, entry), = json.loads(compile_cache.read_text()).items()
     assert key.endswith("packed: oneDNN") and entry["packed_ms"] == 10.0
 
@@ -348,16 +348,16 @@ def test_compile_auto_keeps_an_fp32_quantised_target_on_its_rows_kernels_and_a_b
 def test_the_step_measurement_cuts_the_target_to_a_few_hundred_mb_and_times_both_ways(tiny_args):
     from model import ModelArgs
     smol = ModelArgs(dim=576, n_layer=30, n_head=9, n_local_heads=3, intermediate_size=1536, vocab_size=49152)
-    assert compiling.step_args(smol, 2).n_layer == 11  # 11 layers (7 MB each in bf16) and the 57 MB LM head: 128 MB
-    assert compiling.step_args(smol, 4).n_layer == 2 and compiling.step_args(tiny_args(), 4).n_layer == tiny_args().n_layer
-    ms = compiling.measure_step(tiny_args(), torch.float32)  # a child process: packing first would change the other's lowering
+    assert inductor.step_args(smol, 2).n_layer == 11  # 11 layers (7 MB each in bf16) and the 57 MB LM head: 128 MB
+    assert inductor.step_args(smol, 4).n_layer == 2 and inductor.step_args(tiny_args(), 4).n_layer == tiny_args().n_layer
+    ms = inductor.measure_step(tiny_args(), torch.float32)  # a child process: packing first would change the other's lowering
     assert set(ms) == {"packed_ms", "template_ms"} and all(v > 0 for v in ms.values())
 
 
 def test_compile_auto_falls_back_to_packed_where_the_measurement_fails(tiny_args, random_model, compile_cache, monkeypatch):
-    def fail(args, dtype, kernels):
+    def fail(args, dtype, rows_kernel):
         raise RuntimeError("timing the decode step failed: ['InductorError: no GEMM template']")
-    monkeypatch.setattr(compiling, "measure_step", fail)
+    monkeypatch.setattr(inductor, "measure_step", fail)
     logs = []
-    assert compiling.choose("auto", random_model(tiny_args(), seed=0), log=logs.append) is True
+    assert inductor.choose("auto", random_model(tiny_args(), seed=0), log=logs.append) is True
     assert "packed" in logs[-1] and "no GEMM template" in logs[-1]

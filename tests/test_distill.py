@@ -5,7 +5,7 @@ import json
 import pytest
 import torch
 
-import distill
+from train import distill
 import sampling
 from checkpoint import load_model
 from tokenizer import encode_prompt

@@ -11,6 +11,7 @@ from torch._inductor.utils import run_and_get_code
 
 import quant
 import quantize
+from cpu import linears
 from draft import EagleHead, load_head, save_head
 from checkpoint import load_model
 from eaglet import Generator
@@ -72,14 +73,14 @@ def test_compiled_cpu_layer_reads_quantised_words(mode, groupsize):
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_packed_linear_follows_its_weight():
-    """quant.PackedLinear computes what nn.Linear does, in fp32 and bf16, and packs again when its weight is cast or
+    """linears.PackedLinear computes what nn.Linear does, in fp32 and bf16, and packs again when its weight is cast or
     loaded, and in a deep copy (bench.py quantises a copy of a compiled target): a stale packed copy would answer
     with the old weights, and an opaque oneDNN tensor has no storage to copy."""
     torch.manual_seed(0)
     linear = nn.Linear(192, 256, bias=True)
     ref = nn.Linear(192, 256, bias=True)
     ref.load_state_dict(linear.state_dict())
-    packed = quant.PackedLinear(linear)
+    packed = linears.PackedLinear(linear)
     x = torch.randn(1, 9, 192)
     with torch.no_grad():
         assert packed.packed is not None
@@ -102,13 +103,13 @@ def test_packed_linear_follows_its_weight():
 
 @pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="needs oneDNN")
 def test_packed_linear_batches_rows_in_one_call():
-    """Under vmap (batch.py's rows) quant.PackedLinear is one packed call over every row: oneDNN's op has no
+    """Under vmap (batch.py's rows) linears.PackedLinear is one packed call over every row: oneDNN's op has no
     batching rule of its own, and vmap's fallback ran it once per row (compiled: B unrolled calls, each reading
     the whole weight, which made a batch of B cost about B single steps)."""
     torch.manual_seed(0)
     linear = nn.Linear(192, 256, bias=False)
-    packed = quant.PackedLinear(linear)
-    quant.lower_packed_linear_as_a_call()
+    packed = linears.PackedLinear(linear)
+    linears.lower_packed_linear_as_a_call()
     x = torch.randn(4, 3, 192)
     rows = lambda x: packed(x)  # noqa: E731  (as batch.batched vmaps a step that calls the modules)
     with torch.no_grad():

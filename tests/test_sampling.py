@@ -8,7 +8,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 
 import batch
-import rowsmm
+from cpu import kernels
 import sampling
 import spectree
 import speculate
@@ -87,12 +87,12 @@ def no_torch_rand(monkeypatch):
         monkeypatch.setattr(torch, name, refuse)
 
 
-@pytest.mark.parametrize("kernels", [True, False], ids=["cpp-draw", "torch-draw"])
+@pytest.mark.parametrize("cpp", [True, False], ids=["cpp-draw", "torch-draw"])
 @pytest.mark.parametrize("mode", ["none", "eagle2", "eagle", "sps", "lookup", "eagle2-lookup"])
-def test_no_draw_at_t_above_0_reads_torch_rand(tiny_args, random_model, random_head, no_torch_rand, monkeypatch, mode, kernels):
-    if kernels and not rowsmm.available():
+def test_no_draw_at_t_above_0_reads_torch_rand(tiny_args, random_model, random_head, no_torch_rand, monkeypatch, mode, cpp):
+    if cpp and not kernels.build():
         pytest.skip("the C++ draw does not run here")
-    monkeypatch.setattr(rowsmm, "ATTENDS", kernels and rowsmm.ATTENDS)
+    monkeypatch.setattr(kernels, "BUILT", cpp and kernels.BUILT)
     args = tiny_args()
     target = random_model(args, seed=0)
     spec = {"none": None, "eagle2": TreeSpec("eagle2", 3, 4, 8), "eagle": TreeSpec.static(), "sps": TreeSpec.chain("sps", 3),

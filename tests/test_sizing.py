@@ -5,7 +5,7 @@ import torch
 from torch._dynamo.comptime import comptime
 from torch.fx.experimental.symbolic_shapes import statically_known_true
 
-import cache
+import cachedir
 import model
 import sizing
 from draft import use_draft_vocab
@@ -135,10 +135,10 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
     torch._dynamo.reset()
     tree = sizing.measure_tree(target, head, compile_fn=compile_fn)
     assert compiled_fns == ["_target_pass", "_head_level"]
-    keys = list(cache.read(sizing.CACHE))
+    keys = list(cachedir.read(sizing.CACHE))
     assert len(keys) == 1 and keys[0].endswith("|compiled oneDNN")  # fp32: the packed kernel named
     sizing.measure_tree(target, head)  # eager: a second entry
-    assert len(cache.read(sizing.CACHE)) == 2
+    assert len(cachedir.read(sizing.CACHE)) == 2
     spec = TreeSpec("eagle2", tree[1], tree[2], tree[0])
     prompt = [3, 1, 4, 1, 5, 9, 2, 6]
     assert Generator(target, spec, head=head, compile=True).generate(prompt, 12, Sampling()).token_ids == \

@@ -11,7 +11,8 @@ import sampling
 import spectree
 import speculate
 import quant
-import rowsmm
+import ops
+from cpu import kernels
 from draft import EagleHead, use_draft_vocab
 from eaglet import Generator
 from sampling import Sampling
@@ -367,18 +368,18 @@ def test_sampling_follows_the_target_where_the_noise_shapes_the_trees(small_voca
     assert chi2_pvalue(counts.sum(-1), joint.sum(-1)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
 
 
-T06 = Sampling(0.6)  # no top-k or top-p: the draw the C++ kernel serves (rowsmm.sample), else sampling.sample
+T06 = Sampling(0.6)  # no top-k or top-p: the draw the C++ kernel serves (kernels.sample), else sampling.sample
 
 
 @pytest.fixture(params=[True, False], ids=["cpp-draw", "torch-draw"])
 def cpp_draw(request, monkeypatch):
     """Forces the draws without noise through eaglet::sample (skipped where it does not build) or torch's inverse CDF;
-    -> the calls rowsmm.sample took."""
-    if request.param and not rowsmm.available():
+    -> the calls ops.sample took."""
+    if request.param and not kernels.build():
         pytest.skip("the C++ kernels do not run here")
-    monkeypatch.setattr(rowsmm, "ATTENDS", request.param)
-    calls, real = [], rowsmm.sample
-    monkeypatch.setattr(rowsmm, "sample", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(kernels, "BUILT", request.param)
+    calls, real = [], ops.sample
+    monkeypatch.setattr(ops, "sample", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -387,14 +388,14 @@ def test_sampling_at_a_temperature_below_1_follows_the_target(small_vocab, chi2_
     # T = 0.6 against 1/0.6: a wrapper passing T where the kernel wants 1/T fails this (below), T = 1 cannot tell
     gen = Generator(small_vocab.target) if mode == "none" else small_vocab.generator(mode)
     counts, _ = sample_first_tokens(gen, T06)
-    assert bool(cpp_draw) == rowsmm.ATTENDS
+    assert bool(cpp_draw) == kernels.BUILT
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) > 1e-3
 
 
 def test_the_temperature_test_rejects_the_cpp_draw_at_the_inverse_temperature(small_vocab, chi2_pvalue, monkeypatch):
-    if not rowsmm.available():
+    if not kernels.build():
         pytest.skip("the C++ kernels do not run here")
-    monkeypatch.setattr(rowsmm, "sample", lambda logits, temperature, u: torch.ops.eaglet.sample(logits, u, temperature))
+    monkeypatch.setattr(ops, "sample", lambda logits, temperature, u: torch.ops.eaglet.sample(logits, u, temperature))
     counts, _ = sample_first_tokens(Generator(small_vocab.target), T06)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) < 1e-3
 

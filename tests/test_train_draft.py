@@ -10,8 +10,8 @@ import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
-import distill
-import train_draft
+from train import distill
+from train import train_draft
 from draft import EagleHead, load_head, save_head
 from checkpoint import load_model
 from eaglet import Generator

@@ -8,7 +8,7 @@ import pytest
 import torch
 
 import dtypes
-import train_draft
+from train import train_draft
 from draft import Eagle3Head, load_head
 from checkpoint import load_model
 from eaglet import Generator, acceptance_metrics

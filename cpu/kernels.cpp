@@ -1,44 +1,23 @@
-# Hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16, built on first use (g++ through
-# torch.utils.cpp_extension): a linear layer (rows_mm; rows_mm_int8 over int8 codes, widened to bf16 in registers),
-# attention for few queries (attend), and the draws over fp32 logits: greedy decoding's argmax, sampling's softmax draw.
-#
-# A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without
-# AMX, Inductor's GEMM templates widen bf16 to fp32 (CppMicroGemmFP32Vec) and turn compute-bound past 3 rows, and
-# oneDNN does not overlap its compute with streaming cold weights (BENCHMARKS.md). vdpbf16ps multiplies bf16 pairs
-# natively, 32 products an instruction. The weight is stored [out/16, in/2, 16] int32: a 64-byte load is 16 outputs'
-# next 2 inputs, read once and fed to every row's accumulator, so the weight streams from memory once for up to 16
-# rows and no sum crosses lanes. attend scores the query rows of a KV head against its keys with the same instruction,
-# 16 keys at a time, the softmax in fp32, then the values two slots an instruction (the probabilities as bf16 pairs);
-# the rows sharing a KV head share each load. Inductor's fused loops took 2.3x as long as its first version. In both,
-# a row's sums run in the same order whatever rows share its pass (rows_mm: a verify's linears give the one-row step's
-# values).
-#
-# With AMX (amx_tile, amx_bf16) the rows_mm ops run on tiles instead: the packed layout is the B tile's (int8 codes are
-# widened into one first), and one tile multiply sums 16 input pairs for up to 16 rows, so a verify's rows stop costing
-# compute (and attend's for a tree verify's queries: AMX_ATTEND_ROWS). On a 2-core Intel Xeon with AMX, vdpbf16ps took
-# 2.4x one row's time at 9 rows and 4.4x at 16 (the LM head), the tiles 1.0x and 1.1x. One and two rows stay on
-# vdpbf16ps (AMX_MIN_ROWS): alone the tiles ran one row as fast, but a compiled one-row decode step, its linears between
-# vector code, 13% slower. So there a row's sums are the same in every pass of 3 rows or more, and in every pass of 1 or
-# 2, but the two paths add them in different orders.
-import functools
-import os
-import platform
-import sys
-from pathlib import Path
-
-import torch
-import torch.nn as nn
-from torch import Tensor
-
-LANES = 16  # outputs a vector holds (fp32 accumulators)
-ATTENDS = False  # eaglet::attend, argmax and sample are registered (available() built the kernels)
-AMX = False  # the rows_mm ops run on AMX tiles (available() found them and Linux granted them)
-AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step ran 13% slower on tiles (BENCHMARKS.md)
-# attend on tiles from this many query rows a KV head (a tree verify's 3 query heads times its rows): a one-row decode
-# step's 3 took 14 us there against the vector kernel's 10 (SmolLM2's shapes, 200 keys, 2 threads); 39 took 31 against 72.
-AMX_ATTEND_ROWS = 8
-
-SOURCE = r"""
+// Hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16 (cpu/kernels.py builds them on first use
+// and registers them as torch ops): a linear layer (rows_mm; rows_mm_f32 writing fp32 sums; rows_mm_int8 over int8
+// codes, widened to bf16 in registers), attention for few queries (attend), and the draws over fp32 logits: greedy
+// decoding's argmax, sampling's softmax draw.
+//
+// A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without AMX,
+// Inductor's GEMM templates widen bf16 to fp32 and turn compute-bound past a few rows, and oneDNN does not overlap its
+// compute with streaming cold weights (docs/cpu.md). vdpbf16ps multiplies bf16 pairs natively, 32 products an
+// instruction. The weight is stored [out/16, in/2, 16] int32: a 64-byte load is 16 outputs' next 2 inputs, read once
+// and fed to every row's accumulator, so the weight streams from memory once for up to 16 rows and no sum crosses
+// lanes. attend scores the query rows of a KV head against its keys with the same instruction, 16 keys at a time, the
+// softmax in fp32, then the values two slots an instruction (the probabilities as bf16 pairs); the rows sharing a KV
+// head share each load. In both, a row's sums run in the same order whatever rows share its pass (rows_mm: a verify's
+// linears give the one-row step's values).
+//
+// With AMX (amx_tile, amx_bf16; built with -DEAGLET_AMX) the rows_mm ops run on tiles instead: the packed layout is
+// the B tile's (int8 codes are widened into one first), and one tile multiply sums 16 input pairs for up to 16 rows,
+// so a verify's rows stop costing compute (and attend's, from amx_attend_rows query rows a KV head). Passes of fewer
+// than amx_min_rows rows stay on vdpbf16ps; so a row's sums are the same in every pass on either side of that bound,
+// but the two paths add them in different orders.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>
 #include <torch/library.h>
@@ -106,7 +85,7 @@ static void rows(const W* w, int64_t blocks, int64_t pairs, const int32_t* x, Y*
 }
 
 #ifdef EAGLET_AMX
-// AMX (a CPU with amx_bf16): rowsmm.pack's layout is the B tile's own, 16 input pairs by 16 outputs' pairs in 1 KB,
+// AMX (a CPU with amx_bf16): kernels.pack's layout is the B tile's own, 16 input pairs by 16 outputs' pairs in 1 KB,
 // so a tile loads straight from the packed weight. One tile multiply sums 16 pairs for up to 16 rows where vdpbf16ps
 // sums one pair for one row: many rows stop costing compute. A row's sums run in the same order whatever rows share
 // the pass (from amx_min_rows rows: fewer take vdpbf16ps above).
@@ -238,15 +217,15 @@ static void check_rows(const at::Tensor& x, const at::Tensor& w, at::ScalarType 
 }
 
 at::Tensor rows_mm(const at::Tensor& x, const at::Tensor& w) {
-  check_rows(x, w, at::kInt, "eaglet::rows_mm: bf16 rows, rowsmm.pack's weight");
+  check_rows(x, w, at::kInt, "eaglet::rows_mm: bf16 rows, kernels.pack's weight");
   return rows_mm_to<int32_t, at::BFloat16>(x, w, at::kBFloat16, nullptr);
 }
 at::Tensor rows_mm_f32(const at::Tensor& x, const at::Tensor& w) {
-  check_rows(x, w, at::kInt, "eaglet::rows_mm_f32: bf16 rows, rowsmm.pack's weight");
+  check_rows(x, w, at::kInt, "eaglet::rows_mm_f32: bf16 rows, kernels.pack's weight");
   return rows_mm_to<int32_t, float>(x, w, at::kFloat, nullptr);
 }
 at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& w, const at::Tensor& scales) {
-  check_rows(x, w, at::kShort, "eaglet::rows_mm_int8: bf16 rows, rowsmm.pack_int8's weight");
+  check_rows(x, w, at::kShort, "eaglet::rows_mm_int8: bf16 rows, kernels.pack_int8's weight");
   TORCH_CHECK(scales.scalar_type() == at::kFloat && scales.is_contiguous() && scales.numel() == w.size(0) * 16,
               "eaglet::rows_mm_int8: fp32 scales, one per output");
   return rows_mm_to<int16_t, at::BFloat16>(x, w, at::kBFloat16, scales.data_ptr<float>());
@@ -254,7 +233,7 @@ at::Tensor rows_mm_int8(const at::Tensor& x, const at::Tensor& w, const at::Tens
 
 // The first index of each row's largest value (fp32 [..., N] -> int64 [...]), as torch.argmax: 16 lanes keep their
 // first maximum and its index, then the lowest index among the lanes holding the row's maximum. ATen's and Inductor's
-// argmax compare one element at a time (a 13-row verify's 49152 logits: 0.69 ms on a Xeon thread). NaN is never picked.
+// argmax compare one element at a time. NaN is never picked.
 at::Tensor argmax(const at::Tensor& logits) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && logits.dim() >= 1 && logits.size(-1) > 0, "eaglet::argmax: fp32 rows");
   auto x = logits.contiguous();
@@ -309,7 +288,7 @@ static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF 
 // One draw per row of softmax(logits * inv_t) (fp32 [..., N]; u [...]: a float64 uniform in [0, 1) a row -> int64 [...]),
 // sampling.sample's inverse CDF: the first index whose running sum passes u times the row's total. The exponentials
 // stay in a buffer (a 49152-token row: 192 KB) with a sum per 16, so the walk adds 16 at a time up to the right block.
-// torch's softmax, float64 cumsum and searchsorted took 1.5 ms of a 12-row verify on a Xeon thread.
+// torch's softmax, float64 cumsum and searchsorted cost more than the rest of a verify's draw (docs/cpu.md).
 at::Tensor sample(const at::Tensor& logits, const at::Tensor& u, double inv_t) {
   TORCH_CHECK(logits.scalar_type() == at::kFloat && u.scalar_type() == at::kDouble && logits.dim() >= 1 && logits.size(-1) > 0
               && u.numel() * logits.size(-1) == logits.numel(), "eaglet::sample: fp32 rows, a float64 uniform a row");
@@ -702,131 +681,3 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("sample", &sample);
   m.impl("attend", &attend);
 }
-"""
-
-
-def cpu_flags() -> set:
-    """The CPU's flags (/proc/cpuinfo), empty off x86-64 Linux or with EAGLET_KERNELS=0, which turns the kernels off
-    (oneDNN and Inductor's code serve: for comparison, and compiling.choose's quantised targets)."""
-    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or os.environ.get("EAGLET_KERNELS") == "0":
-        return set()
-    try:
-        return set(Path("/proc/cpuinfo").read_text().split())
-    except OSError:
-        return set()
-
-
-def cpu_has_bf16_dot() -> bool:
-    """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built."""
-    return "avx512_bf16" in cpu_flags()
-
-
-def cpu_has_amx() -> bool:
-    """AMX tiles with bf16 (rows_mm's tile path); EAGLET_AMX=0 keeps vdpbf16ps, for comparison."""
-    return {"amx_tile", "amx_bf16"} <= cpu_flags() and os.environ.get("EAGLET_AMX") != "0"
-
-
-@functools.cache
-def available() -> bool:
-    """Whether the kernels run here: the CPU has AVX512-BF16 and they built (g++ and ninja, about 30 s the first time;
-    torch's extension cache keeps them; with AMX the linears' tile path too). A failed build says why once, on stderr,
-    and leaves oneDNN and Inductor's code to serve."""
-    if not cpu_has_bf16_dot():
-        return False
-    from torch.utils.cpp_extension import load_inline
-
-    for amx in ([["-mamx-tile", "-mamx-bf16", "-DEAGLET_AMX"]] if cpu_has_amx() else []) + [[]]:  # a compiler without AMX: vdpbf16ps
-        try:
-            load_inline("eaglet_rows_mm" + "_amx" * bool(amx), cpp_sources=SOURCE, is_python_module=False,
-                        extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *amx],
-                        extra_ldflags=["-fopenmp"])
-            break
-        except Exception as e:  # no compiler, no ninja: a slower path, not a failure
-            error = e
-    else:
-        print(f"eaglet: the bf16 kernels did not build ({' '.join(str(error).split())[:200]}); oneDNN serves", file=sys.stderr)
-        return False
-    global AMX
-    AMX = bool(amx) and torch.ops.eaglet.amx_set(True, AMX_MIN_ROWS, AMX_ATTEND_ROWS)  # the kernel asks Linux for the tile state once
-    for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32), ("rows_mm_int8", torch.bfloat16)):
-        torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
-        torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
-    torch.library.register_fake("eaglet::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
-    torch.library.register_vmap("eaglet::argmax")(functools.partial(batch_rule, torch.ops.eaglet.argmax))
-    torch.library.register_fake("eaglet::sample")(lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.long))
-    torch.library.register_vmap("eaglet::sample")(sample_batch_rule)
-    torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
-    torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
-    global ATTENDS
-    ATTENDS = True
-    return True
-
-
-def batch_rule(op, info, in_dims, x, *weight):
-    """Under batch.py's vmap: leading dims are rows to the kernel, so the batch dim moves to the front, one call."""
-    if any(d is not None for d in in_dims[1:]):
-        raise NotImplementedError("eaglet::rows_mm batched over its weights")
-    return op(x.movedim(in_dims[0], 0), *weight), 0
-
-
-def to_front(x: Tensor, dim, n: int) -> Tensor:
-    """x with its vmapped dim first; an unbatched x (dim None) expanded to the batch's n."""
-    return x.expand(n, *x.shape) if dim is None else x.movedim(dim, 0)
-
-
-def sample_batch_rule(info, in_dims, logits, u, inv_t):
-    """Under batch.py's vmap: the logits' and uniforms' batch dims to the front, one call."""
-    return torch.ops.eaglet.sample(*(to_front(x, d, info.batch_size) for x, d in zip((logits, u), in_dims)), inv_t), 0
-
-
-def attend_batch_rule(info, in_dims, *args):
-    """Under batch.py's vmap: the vmapped dim joins the batch dim (an unbatched input is expanded to it), one call."""
-    def join(x, dim):
-        x = to_front(x, dim, info.batch_size)
-        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
-
-    y = torch.ops.eaglet.attend(*(join(x, dim) for x, dim in zip(args[:6], in_dims)), args[6])
-    return y.view(info.batch_size, -1, *y.shape[1:]), 0
-
-
-def attends(q: Tensor) -> bool:
-    """Whether eaglet::attend serves these queries (model.attend_few asks while tracing: a flag, not a build)."""
-    return ATTENDS and q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in (32, 64, 128, 256)
-
-
-def serves(logits: Tensor) -> bool:
-    """Whether eaglet::argmax and eaglet::sample serve these logits (fp32 on a CPU with the kernels)."""
-    return ATTENDS and logits.dtype == torch.float32 and logits.device.type == "cpu"
-
-
-def argmax(logits: Tensor) -> Tensor:
-    """torch.argmax(logits, -1), through eaglet::argmax where it serves."""
-    return torch.ops.eaglet.argmax(logits) if serves(logits) else torch.argmax(logits, dim=-1)
-
-
-def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
-    """One draw per row of softmax(logits / temperature) by eaglet::sample (callers ask serves first): sampling.sample's
-    inverse CDF, one float64 uniform a row in (0, 1) (sampling.uniform), the softmax's exponentials in C++ and never a
-    probability tensor."""
-    assert u.dtype == torch.float64 and u.shape == logits.shape[:-1]
-    return torch.ops.eaglet.sample(logits, u, 1.0 / temperature)
-
-
-def pack(weight: Tensor) -> Tensor:
-    """bf16 [out, in] -> int32 [out/16, in/2, 16]: element (b, p, i) holds weight[16b + i, 2p : 2p + 2]."""
-    out_features, in_features = weight.shape
-    return weight.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
-        .view(torch.int32).view(out_features // LANES, in_features // 2, LANES)
-
-
-def pack_int8(codes: Tensor) -> Tensor:
-    """int8 codes [out, in] -> int16 [out/16, in/2, 16]: pack's layout, each pair of codes in 2 bytes instead of 4."""
-    out_features, in_features = codes.shape
-    return codes.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
-        .view(torch.int16).view(out_features // LANES, in_features // 2, LANES)
-
-
-def fits(linear: nn.Linear) -> bool:
-    w = linear.weight
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.shape[0] % LANES == 0 and w.shape[1] % 2 == 0
-            and available())

@@ -1,10 +1,13 @@
 # The EAGLE-2 paper's Figure 6 from a real run: the draft head's confidence in each drafted token (its
 # probability given its parent) against how often the target accepted it, greedy, per confidence bin.
 # Only nodes whose parent was accepted count: the target never tests the children of a rejected node.
-import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
-import json
 import sys
 from pathlib import Path
+
+if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
+import json
 
 import torch
 

@@ -1,4 +1,4 @@
-# The bf16 rows kernel (rowsmm.py, over bf16 weights or int8 codes): what it computes, that a row's values do not depend
+# The bf16 rows kernel (kernels.py, over bf16 weights or int8 codes): what it computes, that a row's values do not depend
 # on the rows beside it, and the layer around it (packing, casts, loads, copies, vmap, a compiled graph, a draft head's
 # int8 linears). Runs where the CPU has AVX512-BF16; where it has AMX too, the kernels are checked on both paths
 # (vdpbf16ps and AMX tiles).
@@ -11,22 +11,22 @@ import torch.nn as nn
 from torch._inductor.utils import run_and_get_code
 
 import quant
-import rowsmm
 import sampling
+from cpu import kernels, linears
 
-pytestmark = pytest.mark.skipif(not rowsmm.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16")
+pytestmark = pytest.mark.skipif(not kernels.cpu_has_bf16_dot(), reason="needs a CPU with AVX512-BF16")
 
 
 @pytest.fixture(params=["vdpbf16ps", "amx"])
 def path(request):
     """The kernels' path for the test: vdpbf16ps everywhere, AMX tiles for every row count where the CPU has them
     (skipped elsewhere)."""
-    assert rowsmm.available()
-    if request.param == "amx" and not rowsmm.AMX:
+    assert kernels.build()
+    if request.param == "amx" and not kernels.AMX:
         pytest.skip("needs a CPU with AMX")
     torch.ops.eaglet.amx_set(request.param == "amx", 1, 1)
     yield request.param
-    torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
+    torch.ops.eaglet.amx_set(kernels.AMX, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
 
 
 def reference(x, w):
@@ -38,10 +38,10 @@ def test_rows_mm_is_the_product(out_features, in_features, path):
     """Every row count 1-17 and 40 (16 at a time past 16), with leading dims: the double-precision product rounded once
     to bf16, give or take one bf16 step (the kernel's fp32 sums run in their own order). A wrong layout, a row read
     from the wrong place or an output block skipped misses by far more."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).bfloat16()
-    packed = rowsmm.pack(w)
+    packed = kernels.pack(w)
     for rows in [*range(1, 18), 40]:
         x = torch.randn(2, rows, in_features).bfloat16()
         y = torch.ops.eaglet.rows_mm(x, packed)
@@ -54,7 +54,7 @@ def test_rows_mm_is_the_product(out_features, in_features, path):
 def int8_op(w):
     """rows_mm_int8 over quant.quantize_int8's codes of w -> (the product as a function of x, the weight it stands for)."""
     codes, scales = quant.quantize_int8(w)
-    packed = rowsmm.pack_int8(codes)
+    packed = kernels.pack_int8(codes)
     return (lambda x: torch.ops.eaglet.rows_mm_int8(x, packed, scales)), codes.double() * scales.double()[:, None]
 
 
@@ -63,7 +63,7 @@ def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features, pat
     """rows_mm_int8 multiplies by codes * scale (one scale per output): the double-precision product rounded once to
     bf16, give or take one bf16 step, for 1-17 and 40 rows. The bf16 layout's words, a scale of the wrong output or none
     miss by far more."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).bfloat16() * torch.rand(out_features, 1).bfloat16()  # scales differ
     op, dequantised = int8_op(w)
@@ -82,13 +82,13 @@ def test_a_row_does_not_depend_on_its_neighbours(op, path):
     so a tree verify scores a node exactly as the one-row decode step would (the grouping of output blocks changes with
     M, the order of each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of
     rows_mm_int8. Where AMX runs, 1-2 rows take the other path (test_amx_takes_the_passes_of_enough_rows)."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(1)
     w = torch.randn(3072, 576).bfloat16()
     if op == "rows_mm_int8":
         op = int8_op(w)[0]
     else:
-        op = functools.partial(getattr(torch.ops.eaglet, op), w=rowsmm.pack(w))
+        op = functools.partial(getattr(torch.ops.eaglet, op), w=kernels.pack(w))
     x = torch.randn(40, 576).bfloat16()
     alone = torch.cat([op(x[i : i + 1]) for i in range(40)])
     for rows in [*range(2, 18), 40]:
@@ -98,10 +98,10 @@ def test_a_row_does_not_depend_on_its_neighbours(op, path):
 def test_rows_mm_f32_writes_the_sums_unrounded(path):
     """rows_mm_f32 writes the fp32 sums rows_mm rounds: within fp32's rounding of the double-precision product (far
     inside one bf16 step), rows_mm's output being exactly these sums rounded to bf16, for 1 to 17 rows."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(2)
     w = torch.randn(960, 576).bfloat16()
-    packed = rowsmm.pack(w)
+    packed = kernels.pack(w)
     x = torch.randn(17, 576).bfloat16()
     for rows in range(1, 18):
         y = torch.ops.eaglet.rows_mm_f32(x[:rows], packed)
@@ -114,35 +114,35 @@ def test_amx_takes_the_passes_of_enough_rows():
     """Where /proc/cpuinfo lists amx_tile and amx_bf16, the kernels take the tiles (Linux granted the tile state) for
     passes of AMX_MIN_ROWS rows or more, and vdpbf16ps below: each pass gives exactly its path's values (the two add a
     row's products in different orders, so their fp32 sums differ in the last bits)."""
-    assert rowsmm.available()
-    if not rowsmm.cpu_has_amx():
+    assert kernels.build()
+    if not kernels.cpu_has_amx():
         pytest.skip("needs a CPU with AMX")
-    assert rowsmm.AMX
+    assert kernels.AMX
     torch.manual_seed(3)
     w, x = torch.randn(960, 576).bfloat16(), torch.randn(17, 576).bfloat16()
-    packed = rowsmm.pack(w)
+    packed = kernels.pack(w)
     op = lambda rows: torch.ops.eaglet.rows_mm_f32(x[:rows], packed)  # noqa: E731
     try:
         torch.ops.eaglet.amx_set(False, 1, 1)
         vdp = [op(rows) for rows in range(1, 18)]
         torch.ops.eaglet.amx_set(True, 1, 1)
         tiles = [op(rows) for rows in range(1, 18)]
-        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
+        torch.ops.eaglet.amx_set(True, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
         for rows in range(1, 18):
-            assert torch.equal(op(rows), (tiles if rows >= rowsmm.AMX_MIN_ROWS else vdp)[rows - 1]), rows
+            assert torch.equal(op(rows), (tiles if rows >= kernels.AMX_MIN_ROWS else vdp)[rows - 1]), rows
     finally:
-        torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
+        torch.ops.eaglet.amx_set(kernels.AMX, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
     for a, b in zip(vdp, tiles):
         assert not torch.equal(a, b) and (a - b).abs().max() <= 1e-5 * a.abs().max()
 
 
 def test_logits_in_fp32_break_a_near_tie_by_value():
-    """quant.logits_in_fp32: two logits 0.1 apart near 25 round to one bf16 value (0.125 apart there), where argmax
+    """linears.logits_in_fp32: two logits 0.1 apart near 25 round to one bf16 value (0.125 apart there), where argmax
     takes the lower token id; written in fp32 the larger one wins. The Generator installs it on a bf16 target (the LM
     head's weight still the tied embedding's), and its decode step reads fp32 logits."""
     from eaglet import Generator
 
-    assert rowsmm.available()
+    assert kernels.build()
     w = torch.zeros(64, 64)
     w[3, :2] = torch.tensor([25.0, 0.1875])  # token 3: 25 + 0.1875 * 1.0625 = 25.19921875
     w[5, :2] = torch.tensor([25.0, 0.28125])  # token 5: 25 + 0.28125 * 1.0625 = 25.298828125
@@ -153,7 +153,7 @@ def test_logits_in_fp32_break_a_near_tie_by_value():
     h[0, :2] = torch.tensor([1.0, 1.0625])
     with torch.no_grad():
         assert model.output(h).argmax().item() == 3  # both round to 25.25: the lower id
-        quant.logits_in_fp32(model)
+        linears.logits_in_fp32(model)
         logits = model.output(h)
     assert logits.dtype == torch.float32 and logits.argmax().item() == 5
     assert logits[0, 5].item() == 25.298828125 and logits[0, 3].item() == 25.19921875
@@ -162,7 +162,7 @@ def test_logits_in_fp32_break_a_near_tie_by_value():
 
     target = _random_model(_tiny_args(tie_embeddings=True), seed=0).bfloat16()
     gen = Generator(target)
-    assert isinstance(target.output, quant.RowsLinear) and target.output.fp32_out
+    assert isinstance(target.output, linears.RowsLinear) and target.output.fp32_out
     assert target.output.weight is target.tok_embeddings.weight
     with torch.no_grad():
         assert target.output(torch.randn(2, 64).bfloat16()).dtype == torch.float32
@@ -170,15 +170,15 @@ def test_logits_in_fp32_break_a_near_tie_by_value():
 
 
 def test_rows_linear_follows_its_weight():
-    """quant.pack_linears installs quant.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
+    """linears.pack_linears installs linears.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
     included), packs again when its weight is loaded or cast, keeps its own copy in a deep copy, and in fp32 runs as
     nn.Linear. A stale packed copy would answer with the old weights."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48, bias=True)).bfloat16()
-    quant.pack_linears(model)
+    linears.pack_linears(model)
     layer = model[0]
-    assert isinstance(layer, quant.RowsLinear) and layer.packed is not None and layer.packed.dtype == torch.int32
+    assert isinstance(layer, linears.RowsLinear) and layer.packed is not None and layer.packed.dtype == torch.int32
     x = torch.randn(3, 5, 64).bfloat16()
     with torch.no_grad():
         expect = lambda lin: (reference(x, lin.weight) + lin.bias.double())  # noqa: E731
@@ -191,22 +191,22 @@ def test_rows_linear_follows_its_weight():
         layer.float()
         assert layer.packed is None
         torch.testing.assert_close(layer(x.float()).double(), expect(other.float()), rtol=1e-2, atol=1e-2)
-    assert not rowsmm.fits(nn.Linear(63, 48).bfloat16()) and not rowsmm.fits(nn.Linear(64, 40).bfloat16())
+    assert not kernels.fits(nn.Linear(63, 48).bfloat16()) and not kernels.fits(nn.Linear(64, 40).bfloat16())
 
 
 def test_rows_linear_hands_many_rows_to_the_gemm():
-    """From quant.GEMM_ROWS rows a bf16 RowsLinear returns nn.Linear's product (oneDNN's GEMM on the plain weight),
+    """From linears.GEMM_ROWS rows a bf16 RowsLinear returns nn.Linear's product (oneDNN's GEMM on the plain weight),
     below them the rows kernel's, which reads the packed copy (zeroed here, so the two paths tell apart); an LM head
     writing fp32 logits keeps the kernel at any row count."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     linear = nn.Linear(64, 48, bias=False).bfloat16()
-    layer = quant.RowsLinear(copy.deepcopy(linear))
+    layer = linears.RowsLinear(copy.deepcopy(linear))
     layer.packed = torch.zeros_like(layer.packed)
     with torch.no_grad():
-        many = torch.randn(quant.GEMM_ROWS, 64).bfloat16()
+        many = torch.randn(linears.GEMM_ROWS, 64).bfloat16()
         assert torch.equal(layer(many), linear(many)) and linear(many).any()
-        assert not layer(many[: quant.GEMM_ROWS - 1]).any()
+        assert not layer(many[: linears.GEMM_ROWS - 1]).any()
         layer.fp32_out = True
         out = layer(many)
         assert out.dtype == torch.float32 and not out.any()
@@ -215,10 +215,10 @@ def test_rows_linear_hands_many_rows_to_the_gemm():
 def test_rows_linear_in_compiled_and_vmapped_graphs():
     """Compiled with the CPU's settings (cpp_wrapper) the op is one call per layer and computes the eager values;
     under vmap (batch.py's rows) one call covers every row, not one per row."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 96, bias=False), nn.SiLU(), nn.Linear(96, 32, bias=False)).bfloat16()
-    quant.pack_linears(model)
+    linears.pack_linears(model)
     x = torch.randn(4, 3, 64).bfloat16()
     with torch.no_grad():
         eager = model(x)
@@ -250,7 +250,7 @@ def test_attend_is_softmax_attention(B, H, n_kv, D, S, T, tree, path):
     double-precision softmax attention within bf16's rounding of the result. Rows depend on nothing beside them (on
     either path: the tiles take more than 16 rows of a KV head in several passes, and blocks that straddle the cache's
     end and the tree's start)."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     k, v = (torch.randn(B, n_kv, S + 40, D).bfloat16()[:, :, :S] for _ in range(2))
     kt, vt = (torch.randn(B, n_kv, tree, D).bfloat16() for _ in range(2))
@@ -268,8 +268,8 @@ def test_attend_is_softmax_attention(B, H, n_kv, D, S, T, tree, path):
 def test_attend_takes_the_tiles_for_enough_rows():
     """With AMX, a KV head's AMX_ATTEND_ROWS query rows or more go to the tiles, fewer to the vector kernel: each gives
     exactly its path's values, and the two agree within bf16's rounding."""
-    assert rowsmm.available()
-    if not rowsmm.AMX:
+    assert kernels.build()
+    if not kernels.AMX:
         pytest.skip("needs a CPU with AMX")
     torch.manual_seed(1)
     k, v = (torch.randn(1, 3, 150, 64).bfloat16() for _ in range(2))
@@ -279,14 +279,14 @@ def test_attend_takes_the_tiles_for_enough_rows():
     mask = (torch.rand(1, 1, 13, 163) < 0.7).expand(1, 9, 13, -1)
     op = lambda T: torch.ops.eaglet.attend(q[:, :, :T], k, v, mask[:, :, :T], kt, vt, 2.0**-22)  # noqa: E731
     try:
-        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS, 1000)
+        torch.ops.eaglet.amx_set(True, kernels.AMX_MIN_ROWS, 1000)
         vector = [op(T) for T in range(1, 14)]
-        torch.ops.eaglet.amx_set(True, rowsmm.AMX_MIN_ROWS, 1)
+        torch.ops.eaglet.amx_set(True, kernels.AMX_MIN_ROWS, 1)
         tiles = [op(T) for T in range(1, 14)]
     finally:
-        torch.ops.eaglet.amx_set(rowsmm.AMX, rowsmm.AMX_MIN_ROWS, rowsmm.AMX_ATTEND_ROWS)
+        torch.ops.eaglet.amx_set(kernels.AMX, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
     for T in range(1, 14):
-        assert torch.equal(op(T), (tiles if 3 * T >= rowsmm.AMX_ATTEND_ROWS else vector)[T - 1]), T
+        assert torch.equal(op(T), (tiles if 3 * T >= kernels.AMX_ATTEND_ROWS else vector)[T - 1]), T
         assert (tiles[T - 1].float() - vector[T - 1].float()).abs().max() <= 2e-2, T
     assert not torch.equal(tiles[-1], vector[-1])
 
@@ -294,11 +294,11 @@ def test_attend_takes_the_tiles_for_enough_rows():
 def test_argmax_is_torch_argmax():
     """eaglet::argmax (greedy decoding's draw on a CPU with the kernels): torch.argmax's index, the first of equal
     maxima, over rows of any length and leading shape, rows of -inf included, eager, compiled and under vmap."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     for shape in [(49152,), (13, 49152), (3, 5, 17), (2, 7), (4, 1)]:
         x = torch.randn(shape)
-        assert torch.equal(rowsmm.argmax(x), torch.argmax(x, -1)), shape
+        assert torch.equal(kernels.argmax(x), torch.argmax(x, -1)), shape
     x = torch.randint(0, 3, (64, 100)).float()  # many ties, in lanes and across them
     x[5] = float("-inf")
     x[6, 99] = 7.0  # the maximum in the scalar tail
@@ -306,16 +306,16 @@ def test_argmax_is_torch_argmax():
     assert torch.equal(torch.ops.eaglet.argmax(x[:, ::2]), torch.argmax(x[:, ::2], -1))  # strided
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        out, (code, *_) = run_and_get_code(torch.compile(lambda x: rowsmm.argmax(x * 2), fullgraph=True, dynamic=False), x)
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: kernels.argmax(x * 2), fullgraph=True, dynamic=False), x)
     assert torch.equal(out, torch.argmax(x, -1)) and "eaglet.argmax" in code
-    assert torch.equal(torch.vmap(rowsmm.argmax)(x.view(4, 16, 100)), torch.argmax(x, -1).view(4, 16))
+    assert torch.equal(torch.vmap(kernels.argmax)(x.view(4, 16, 100)), torch.argmax(x, -1).view(4, 16))
 
 
 def test_sample_is_the_inverse_cdf_draw():
     """eaglet::sample (a draw at T > 0 on a CPU with the kernels) picks sampling.sample's token for the same uniforms
     (rounding may move one draw in thousands: at most one), never a -inf token; 200k draws of one row pass a
     chi-square test against softmax(logits / T) that a wrong temperature fails; compiled and under vmap too."""
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     for shape, n in [((49152,), 0), ((13, 49152), 1), ((3, 5, 17), 1), ((3000, 37), 1)]:
         logits = torch.randn(shape) * 3
@@ -331,7 +331,7 @@ def test_sample_is_the_inverse_cdf_draw():
     live = expected > 5
 
     def chi2(temperature):
-        draws = rowsmm.sample(logits.expand(200_000, 37).contiguous(), temperature, sampling.uniform((200_000,), "cpu"))
+        draws = kernels.sample(logits.expand(200_000, 37).contiguous(), temperature, sampling.uniform((200_000,), "cpu"))
         counts = torch.bincount(draws, minlength=37).double()
         return (((counts - expected) ** 2)[live] / expected[live]).sum().item(), counts[3].item()
 
@@ -341,9 +341,9 @@ def test_sample_is_the_inverse_cdf_draw():
     x = torch.randn(64, 100)
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
-        out, (code, *_) = run_and_get_code(torch.compile(lambda x: rowsmm.sample(x * 2, 0.5, sampling.uniform(x.shape[:-1], x.device)), fullgraph=True, dynamic=False), x)
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: kernels.sample(x * 2, 0.5, sampling.uniform(x.shape[:-1], x.device)), fullgraph=True, dynamic=False), x)
     assert out.shape == (64,) and "eaglet.sample" in code
-    rows = torch.vmap(lambda x: rowsmm.sample(x, 1.0, sampling.uniform(x.shape[:-1], x.device)), randomness="different")(x.view(4, 16, 100))
+    rows = torch.vmap(lambda x: kernels.sample(x, 1.0, sampling.uniform(x.shape[:-1], x.device)), randomness="different")(x.view(4, 16, 100))
     assert rows.shape == (4, 16) and ((rows >= 0) & (rows < 100)).all()
 
 
@@ -352,7 +352,7 @@ def test_attend_few_takes_the_kernel_when_compiled():
     with the eager attend_few; under vmap (batch.py) it is one call too."""
     import model
 
-    assert rowsmm.available()
+    assert kernels.build()
     torch.manual_seed(0)
     B, H, n_kv, D, S, T = 2, 6, 2, 64, 50, 5
     q = torch.randn(B, H, T, D).bfloat16()
@@ -382,7 +382,7 @@ def test_a_packed_draft_head_reads_int8_codes_and_stays_lossless(tiny_args, rand
     from eaglet import Generator
     from speculate import TreeSpec
 
-    assert rowsmm.available()
+    assert kernels.build()
     args = tiny_args(dim=128)  # head_dim 32: attention takes eaglet::attend too
     target = random_model(args, seed=0).bfloat16()
     if kind == "eagle3":
@@ -394,8 +394,8 @@ def test_a_packed_draft_head_reads_int8_codes_and_stays_lossless(tiny_args, rand
     vanilla = Generator(target, compile=True)
     gen = Generator(target, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=head, compile=True)
     linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
-    assert len(linears) >= 6 and all(type(m) is quant.RowsLinearInt8 and m.packed.dtype == torch.int16 for m in linears)
-    assert type(target.output) is quant.RowsLinear  # the target's own weights stay bf16
+    assert len(linears) >= 6 and all(type(m) is linears.RowsLinearInt8 and m.packed.dtype == torch.int16 for m in linears)
+    assert type(target.output) is linears.RowsLinear  # the target's own weights stay bf16
     lm_head = head.lm_head
     h = torch.randn(3, 128).bfloat16()
     codes, scales = quant.quantize_int8(lm_head.weight)

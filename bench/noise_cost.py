@@ -1,20 +1,23 @@
 # The cost of sampling's float64 noise in isolation: the cycle's Gumbels [depth+1, V], the old float32 ones
 # (-log(-log(torch.rand))) against sampling.gumbel's float64 ones (from 52-bit random integers), eager and compiled;
 # and the verify's draw, argmax(logits / T + noise[depths]) over m+1 rows, with each noise (float32 logits plus float64
-# Gumbels compare in float64: torch.argmax instead of rowsmm's fp32 argmax kernel).
+# Gumbels compare in float64: torch.argmax instead of the fp32 argmax kernel).
 #
-#   python benchmarks/noise_cost.py                 # eager, the process's threads
-#   python benchmarks/noise_cost.py --threads 1 --compile
+#   python bench/noise_cost.py                 # eager, the process's threads
+#   python bench/noise_cost.py --threads 1 --compile
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 import argparse
 import os
-import sys
 import time
 import types
 
-sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
-import rowsmm  # noqa: E402
+from cpu import kernels  # noqa: E402
 import sampling  # noqa: E402
 
 
@@ -57,8 +60,8 @@ def main():
     TRIALS = a.trials
     if a.threads:
         torch.set_num_threads(a.threads)
-    rowsmm.available()  # the fp32 argmax kernel, where this CPU runs it
-    print(f"threads {torch.get_num_threads()}, vocab {a.vocab}, rowsmm kernels {rowsmm.ATTENDS}")
+    kernels.build()  # the fp32 argmax kernel, where this CPU runs it
+    print(f"threads {torch.get_num_threads()}, vocab {a.vocab}, CPU kernels {kernels.BUILT}")
     kinds = {"float32": gumbel32, "float64": sampling.gumbel}
     print("noise [depth+1, V], ms:       " + "".join(f"{f'd{d}':>9}" for d in range(2, 7)))
     for name, fn in kinds.items():

@@ -13,7 +13,7 @@ import tp
 _warned = set()  # (file, what): each said once a process
 
 
-def cache_dir() -> Path:
+def root() -> Path:
     return Path(os.environ.get("EAGLET_CACHE", "~/.cache/eaglet")).expanduser()
 
 
@@ -24,7 +24,7 @@ def warn(path: Path, what: str):
 
 
 def read(name: str) -> dict:
-    path = cache_dir() / name
+    path = root() / name
     try:
         data = json.loads(path.read_text(encoding="utf-8")) if path.exists() else {}
     except (OSError, ValueError) as e:  # ValueError: not JSON, or not UTF-8
@@ -45,7 +45,7 @@ def entry(name: str, key: str, valid):
     except (TypeError, ValueError, KeyError, AttributeError, IndexError):
         ok = False
     if not ok:
-        warn(cache_dir() / name, f"entry {key!r} is damaged ({' '.join(json.dumps(value).split())[:80]}), measured again")
+        warn(root() / name, f"entry {key!r} is damaged ({' '.join(json.dumps(value).split())[:80]}), measured again")
     return value if ok else None
 
 
@@ -57,7 +57,7 @@ def store(name: str, key: str, entry: dict):
     """Sets one key of a JSON measurement file (rank 0 alone writes under tensor parallelism)."""
     if tp.rank() != 0:
         return
-    path = cache_dir() / name
+    path = root() / name
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         atomic.write_text(path, json.dumps(read(name) | {key: entry}, indent=2) + "\n")  # readers never see half a file

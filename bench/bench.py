@@ -1,26 +1,30 @@
 # tokens/s benchmark: vanilla and speculative modes in one process, on the same prompts and template.
 # Warm-up (and compile) time is excluded from the figures and reported apart.
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import copy
 import json
 import resource
-import sys
 import time
 from dataclasses import replace
-from pathlib import Path
 
 import torch
 
 import atomic
-import cache
+import cachedir
 import dtypes
-import peers
+import ops
 import quant
 import sizing
 import tp
+from bench import peers
 from checkpoint import UsageError, UsageParser, default_checkpoint
-from compiling import COMPILE_CHOICES, choose, sizing_compile
+from compiling import COMPILE_CHOICES, sizing_compile
 from draft import EagleHead
 from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill
 from model import ModelArgs, Transformer, find_multiple
@@ -141,7 +145,7 @@ def report(a, gen: Generator, conversations, modes: dict) -> dict:
 def bench(a) -> dict:
     base, tokenizer = load_generator(a.checkpoint, a.draft, "none", **mode_options(a, "none"))
     target, margs = base.target, base.target.args
-    asked, a.compile = a.compile, choose(a.compile, target)  # resolved once: the modes and the report share it
+    asked, a.compile = a.compile, ops.choose(a.compile, target)  # resolved once: the modes and the report share it
     conversations = load_conversations(a.prompts, a.num_prompts)
     sampling = check_sampling(a.temperature, a.top_k, a.top_p)
     entries, logit_errors = [], {}  # (row name, Generator or peer runner, batch, reuse)
@@ -156,7 +160,7 @@ def bench(a) -> dict:
     for q in a.quantize.split(",") if a.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
         qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
-        entries.append((f"none {q}", Generator(qtarget, compile=choose(asked, qtarget)), 0, None))
+        entries.append((f"none {q}", Generator(qtarget, compile=ops.choose(asked, qtarget)), 0, None))
         logit_errors[f"none {q}"] = logit_error(target, qtarget, tokenizer, margs, conversations)
     runners = peers.peer_runners(a.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
                                  longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
@@ -306,7 +310,7 @@ def sweep(a) -> dict:
     fastest is recorded as this device's default."""
     base, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", **mode_options(a, "eagle2"))
     target, head, margs = base.target, base.head, base.target.args
-    a.compile = choose(a.compile, target)
+    a.compile = ops.choose(a.compile, target)
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
                                 compile_fn=sizing_compile(target, head, a.compile) if a.compile else None)
     sampled = a.temperature > 0  # its own tree: sampling accepts less deep in a tree
@@ -342,7 +346,7 @@ def shape_bench(a) -> dict:
         head = EagleHead(replace(args, n_layer=1)).to(dtype).eval()
     if a.quantize:
         quant.quantize_model(target, a.quantize, a.groupsize if a.quantize == "int4" else 0)
-    a.compile = choose(a.compile, target)
+    a.compile = ops.choose(a.compile, target)
     prompt = torch.randint(0, args.vocab_size, (512,), generator=torch.Generator().manual_seed(a.seed)).tolist()
     spec = TreeSpec("eagle2", depth=a.depth or 6, topk=a.topk or 10, num_draft_tokens=a.num_draft_tokens or 60)
     rows = {}
@@ -484,7 +488,7 @@ def main(argv=None) -> int:
         return 2
     (print_shape_table if a.random_shape else print_table)(result)
     if a.sweep:
-        print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {cache.cache_dir() / sizing.CACHE})")
+        print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {cachedir.root() / sizing.CACHE})")
     if a.json_out:
         atomic.write_text(a.json_out, json.dumps(result, indent=2) + "\n")
     return 0

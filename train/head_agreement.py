@@ -7,23 +7,26 @@
 # level's acceptance.
 # Teacher-forced: a proxy for τ, not τ (bench.py measures that).
 #
-#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
-#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over an EAGLE-1/2 head's first N tokens (0: all)
-#   python benchmarks/head_agreement.py heads/SmolLM2-135M-Instruct --sampled --steps 2   # T=1: top-k mass against coupled guesses
-import os
+#   python train/head_agreement.py heads/SmolLM2-135M-Instruct OTHER_HEAD --num-prompts 40
+#   python train/head_agreement.py heads/SmolLM2-135M-Instruct:0    # :N drafts over an EAGLE-1/2 head's first N tokens (0: all)
+#   python train/head_agreement.py heads/SmolLM2-135M-Instruct --sampled --steps 2   # T=1: top-k mass against coupled guesses
 import sys
+from pathlib import Path
 
-sys.path.insert(0, os.getcwd())
+if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
+import os
+
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model  # noqa: E402
-from distill import sample_batch  # noqa: E402
+from train.distill import sample_batch  # noqa: E402
 from draft import load_head, use_draft_vocab  # noqa: E402
 from prompts import load_conversations  # noqa: E402
 from sampling import draw as sampling_draw, gumbel  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
-from train_draft import target_argmax, unrolled_steps  # noqa: E402
+from train.train_draft import target_argmax, unrolled_steps  # noqa: E402
 
 
 @torch.no_grad()

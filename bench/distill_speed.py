@@ -2,22 +2,25 @@
 # tokens, no stop so every row makes N) and the feature pass. Reports wall tok/s and tokens per CPU-second
 # (the machine is shared: CPU time is what a run costs), with the load average.
 #
-#   python benchmarks/distill_speed.py --dtype bfloat16 --threads 1                # this tree's distill.sample_batch
-#   python benchmarks/distill_speed.py --dtype float32 --states --new-tokens 256   # as the data job runs it
-#   cd OLD_CHECKOUT && python /path/to/benchmarks/distill_speed.py --no-compile   # before: train_draft.sample_batch
+#   python bench/distill_speed.py --dtype bfloat16 --threads 1                # this tree's distill.sample_batch
+#   python bench/distill_speed.py --dtype float32 --states --new-tokens 256   # as the data job runs it
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 import argparse
 import contextlib
 import os
-import sys
 import time
 
-sys.path.insert(0, os.getcwd())
 import torch  # noqa: E402
 
 from checkpoint import default_checkpoint  # noqa: E402
 from checkpoint import load_model
 from tokenizer import encode_prompt  # noqa: E402
 from tokenizer import load_tokenizer  # noqa: E402
+from train import distill  # noqa: E402
 
 
 def timed(label: str, fn, tokens_of) -> None:
@@ -42,19 +45,12 @@ def main():
     torch.set_num_threads(a.threads)
     ck = default_checkpoint()
     target, tok = load_model(ck, "cpu", getattr(torch, a.dtype)), load_tokenizer(ck)
-    try:
-        import distill
+    def sample(*args):
+        with distill.tapped(target) if a.states else contextlib.nullcontext():
+            rows = distill.sample_batch(*args, batch=a.batch, compile=a.compile, **({"states": True} if a.states else {}))
+        return [r[0] for r in rows] if a.states else rows
 
-        def sample(*args):
-            with distill.tapped(target) if a.states else contextlib.nullcontext():
-                rows = distill.sample_batch(*args, batch=a.batch, compile=a.compile, **({"states": True} if a.states else {}))
-            return [r[0] for r in rows] if a.states else rows
-
-        seeds, name = distill.SEEDS, "distill.sample_batch" + (" (compiled)" if a.compile else "")
-    except ImportError:  # a checkout from before distill.py
-        import train_draft
-
-        sample, seeds, name = train_draft.sample_batch, train_draft.SEEDS, "train_draft.sample_batch"
+    seeds, name = distill.SEEDS, "distill.sample_batch" + (" (compiled)" if a.compile else "")
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": s + " the sea"}], True)
                for s in (seeds * (a.batch // len(seeds) + 1))[: a.batch]]
     temperature = torch.tensor([0.0, 0.8] * (a.batch // 2) + [0.0] * (a.batch % 2))
@@ -63,8 +59,6 @@ def main():
         timed(f"{name} {a.dtype} B={a.batch} new={a.new_tokens} threads {a.threads} run {i}",
               lambda: sample(target, prompts, a.new_tokens, temperature, 0.95, []), lambda rows: sum(map(len, rows)))
     if a.features:
-        import distill
-
         g = torch.Generator().manual_seed(0)
         convs = [{"id": i, "prompt_len": 60, "tokens": torch.randint(0, target.args.vocab_size, (int(n),), generator=g).tolist()}
                  for i, n in enumerate(torch.randint(150, 400, (48,), generator=g))]

@@ -26,9 +26,9 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-import quant
-import rowsmm
+import ops
 from checkpoint import UsageError
+from cpu import linears
 from model import Transformer, causal_mask, eagle3_taps, find_multiple
 from prompts import MT_BENCH, load_conversations
 from sampling import sample
@@ -91,7 +91,7 @@ def draw_rows(logits: Tensor, temperature: Tensor, top_p: float) -> Tensor:
     else:
         probs, ids = nucleus(logits, temperature, top_p)
         choice = ids.gather(-1, sample(probs)[:, None]).squeeze(-1)
-    return torch.where(temperature == 0, rowsmm.argmax(logits), choice)
+    return torch.where(temperature == 0, ops.argmax(logits), choice)
 
 
 NUCLEUS_CANDIDATES = 256  # where nucleus() looks for the top-p nucleus: this many most likely tokens
@@ -471,7 +471,7 @@ def build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, roun
         raise UsageError(f"{cfg.data} is being written by another process") from None
     # Packed weights (the rows kernel in bf16): B=64 rows, 256 new tokens each, on one thread of an AMX Xeon 524
     # against 359 tokens/s; the target stays usable for training, which reads its weights only.
-    quant.pack_linears(target)
+    linears.pack_linears(target)
     with lock:
         return _build(cfg, target, tokenizer, deadline, round_convs)
 

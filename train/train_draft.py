@@ -15,17 +15,20 @@
 #              own slot's keys of steps 1..i. Loss = sum_i decay^i CE(target distribution over the draft vocabulary
 #              || head), at positions whose target argmax is in the draft vocabulary (as the official code: there
 #              greedy drafting cannot be right, and the renormalised rest would teach the head the target's runners-up).
+import sys
+from pathlib import Path
+
+if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
+    sys.path[0] = str(Path(__file__).resolve().parents[1])
 import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
 import argparse
 import copy
 import math
 import os
-import sys
 import time
 import typing
 from collections import Counter
 from dataclasses import dataclass, fields, replace
-from pathlib import Path
 from typing import Optional
 
 import torch
@@ -34,12 +37,12 @@ from torch import Tensor
 from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
-import distill
 import dtypes
-import rowsmm
+import ops
 import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
-from distill import DataConfig, append_jsonl
+from train import distill
+from train.distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead, load_head, save_head
 from model import Attention, Transformer, apply_rope, eagle3_taps, one_line
 from tokenizer import load_tokenizer
@@ -226,7 +229,7 @@ unrolled_attend_fused = torch._dynamo.config.patch(recompile_limit=64)(torch.com
 def target_argmax(hidden: Tensor, lm_head: Tensor, rows: int = 2048) -> Tensor:
     """The target's argmax over its whole vocabulary, a chunk of rows at a time (the logits are large)."""
     flat = hidden.reshape(-1, hidden.shape[-1])
-    return torch.cat([rowsmm.argmax(chunk @ lm_head.T) for chunk in flat.split(rows)]).view(hidden.shape[:-1])
+    return torch.cat([ops.argmax(chunk @ lm_head.T) for chunk in flat.split(rows)]).view(hidden.shape[:-1])
 
 
 def cache_keep(records: list, idx: list, lm_full: Tensor, in_draft: Tensor):

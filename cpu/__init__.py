@@ -1,0 +1,46 @@
+# The CPU fast path, entered through ops.py when this package is imported (eaglet.py does, as the loading code):
+# kernels.cpp's bf16 kernels for attention over few queries and the draws, the linears prepacked for oneDNN or the
+# rows kernel (linears.py), and Inductor's CPU settings, --compile auto's measurement and compiled steps saved per
+# machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
+import torch
+
+import ops
+from cpu import inductor, kernels, linears
+from draft import DraftHead
+
+PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler")}  # ops.py's own, off a CPU
+
+
+def prepare(compile, target, *drafters):
+    """ops.prepare on a CPU. A bf16 target's logits are fp32 sums where the rows kernel runs (linears.logits_in_fp32),
+    compiled or not. compile True: every float linear prepacked (pack_linears), a draft head's in int8 codes (its
+    outputs only rank drafts; the verify decides what is kept); "max": the weights left for Inductor to freeze ->
+    the options of graphs over them."""
+    device = target.tok_embeddings.weight.device
+    if device.type != "cpu":
+        return PLAIN["prepare"](compile, target, *drafters)
+    models = [m for m in (target, *drafters) if m is not None]
+    if any(p.dtype == torch.bfloat16 for m in models for p in m.parameters()):
+        kernels.build()  # attention's kernel serves frozen graphs too
+    linears.logits_in_fp32(target)
+    if not compile:
+        return None
+    if compile == "max":
+        return inductor.frozen_options(*models)
+    linears.pack_linears(*models)
+    for head in (m for m in models if isinstance(m, DraftHead)):
+        linears.draft_head_in_int8(head)
+    return None
+
+
+def inductor_settings(device: torch.device, frozen) -> dict:
+    return inductor.settings(frozen) if device.type == "cpu" else PLAIN["inductor_settings"](device, frozen)
+
+
+def step_compiler(device: torch.device, frozen):
+    return inductor.step_compiler(device, frozen) if device.type == "cpu" else PLAIN["step_compiler"](device, frozen)
+
+
+ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, samples=kernels.serves,
+             sample=kernels.sample, choose=inductor.choose, prepare=prepare, inductor_settings=inductor_settings,
+             step_compiler=step_compiler, kernel_name=linears.packed_kernel)

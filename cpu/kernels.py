@@ -1,0 +1,152 @@
+# The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them): built on
+# first use with torch.utils.cpp_extension, registered as torch ops (eaglet::rows_mm, attend, argmax, sample) with
+# shape functions for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
+# attend, argmax and sample to ops.py; cpu/linears.py runs the linears on rows_mm.
+import functools
+import os
+import platform
+import sys
+from pathlib import Path
+
+import torch
+import torch.nn as nn
+from torch import Tensor
+
+LANES = 16  # outputs a vector holds (fp32 accumulators)
+BUILT = False  # the eaglet:: ops are registered (build() built them)
+AMX = False  # the rows_mm ops run on AMX tiles (build() found them and Linux granted them)
+AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step, its linears between vector code, ran slower on tiles
+AMX_ATTEND_ROWS = 8  # attend on tiles from this many query rows a KV head (a tree verify's; a decode step's 3 stay on vectors)
+SOURCE = Path(__file__).with_name("kernels.cpp")
+
+
+def cpu_flags() -> set:
+    """The CPU's flags (/proc/cpuinfo), empty off x86-64 Linux or with EAGLET_KERNELS=0, which turns the kernels off
+    (oneDNN and Inductor's code serve: for comparison, and cpu/inductor.choose's quantised targets)."""
+    if platform.system() != "Linux" or platform.machine() not in ("x86_64", "AMD64") or os.environ.get("EAGLET_KERNELS") == "0":
+        return set()
+    try:
+        return set(Path("/proc/cpuinfo").read_text().split())
+    except OSError:
+        return set()
+
+
+def cpu_has_bf16_dot() -> bool:
+    """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built."""
+    return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_amx() -> bool:
+    """AMX tiles with bf16 (rows_mm's tile path); EAGLET_AMX=0 keeps vdpbf16ps, for comparison."""
+    return {"amx_tile", "amx_bf16"} <= cpu_flags() and os.environ.get("EAGLET_AMX") != "0"
+
+
+@functools.cache
+def build() -> bool:
+    """Builds the kernels once a process (g++ and ninja, about 30 s the first time; torch's extension cache keeps them;
+    with AMX the linears' tile path too) and registers them. -> whether they run here: the CPU has AVX512-BF16 and
+    they built. A failed build says why once, on stderr, and leaves oneDNN and Inductor's code to serve."""
+    if not cpu_has_bf16_dot():
+        return False
+    from torch.utils.cpp_extension import load
+
+    for amx in ([["-mamx-tile", "-mamx-bf16", "-DEAGLET_AMX"]] if cpu_has_amx() else []) + [[]]:  # a compiler without AMX: vdpbf16ps
+        try:
+            load("eaglet_rows_mm" + "_amx" * bool(amx), sources=[str(SOURCE)], is_python_module=False,
+                 extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *amx],
+                 extra_ldflags=["-fopenmp"])
+            break
+        except Exception as e:  # no compiler, no ninja: a slower path, not a failure
+            error = e
+    else:
+        print(f"eaglet: the bf16 kernels did not build ({' '.join(str(error).split())[:200]}); oneDNN serves", file=sys.stderr)
+        return False
+    global AMX
+    AMX = bool(amx) and torch.ops.eaglet.amx_set(True, AMX_MIN_ROWS, AMX_ATTEND_ROWS)  # the kernel asks Linux for the tile state once
+    for op, dtype in (("rows_mm", torch.bfloat16), ("rows_mm_f32", torch.float32), ("rows_mm_int8", torch.bfloat16)):
+        torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_, dtype=dtype: x.new_empty(*x.shape[:-1], w.shape[0] * LANES, dtype=dtype))
+        torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
+    torch.library.register_fake("eaglet::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
+    torch.library.register_vmap("eaglet::argmax")(functools.partial(batch_rule, torch.ops.eaglet.argmax))
+    torch.library.register_fake("eaglet::sample")(lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.long))
+    torch.library.register_vmap("eaglet::sample")(sample_batch_rule)
+    torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
+    torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
+    global BUILT
+    BUILT = True
+    return True
+
+
+def batch_rule(op, info, in_dims, x, *weight):
+    """Under batch.py's vmap: leading dims are rows to the kernel, so the batch dim moves to the front, one call."""
+    if any(d is not None for d in in_dims[1:]):
+        raise NotImplementedError("eaglet::rows_mm batched over its weights")
+    return op(x.movedim(in_dims[0], 0), *weight), 0
+
+
+def to_front(x: Tensor, dim, n: int) -> Tensor:
+    """x with its vmapped dim first; an unbatched x (dim None) expanded to the batch's n."""
+    return x.expand(n, *x.shape) if dim is None else x.movedim(dim, 0)
+
+
+def sample_batch_rule(info, in_dims, logits, u, inv_t):
+    """Under batch.py's vmap: the logits' and uniforms' batch dims to the front, one call."""
+    return torch.ops.eaglet.sample(*(to_front(x, d, info.batch_size) for x, d in zip((logits, u), in_dims)), inv_t), 0
+
+
+def attend_batch_rule(info, in_dims, *args):
+    """Under batch.py's vmap: the vmapped dim joins the batch dim (an unbatched input is expanded to it), one call."""
+    def join(x, dim):
+        x = to_front(x, dim, info.batch_size)
+        return x.reshape(x.shape[0] * x.shape[1], *x.shape[2:])
+
+    y = torch.ops.eaglet.attend(*(join(x, dim) for x, dim in zip(args[:6], in_dims)), args[6])
+    return y.view(info.batch_size, -1, *y.shape[1:]), 0
+
+
+def attends(q: Tensor) -> bool:
+    """Whether eaglet::attend serves these queries (ops.attends; asked while tracing: a flag, not a build)."""
+    return BUILT and q.dtype == torch.bfloat16 and q.device.type == "cpu" and q.shape[-1] in (32, 64, 128, 256)
+
+
+def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree_k: Tensor, tree_v: Tensor, scale: float) -> Tensor:
+    """ops.attend by eaglet::attend (callers ask attends first)."""
+    return torch.ops.eaglet.attend(q, k, v, mask, tree_k, tree_v, scale)
+
+
+def serves(logits: Tensor) -> bool:
+    """Whether eaglet::argmax and eaglet::sample serve these logits (fp32 on a CPU with the kernels)."""
+    return BUILT and logits.dtype == torch.float32 and logits.device.type == "cpu"
+
+
+def argmax(logits: Tensor) -> Tensor:
+    """torch.argmax(logits, -1), through eaglet::argmax where it serves."""
+    return torch.ops.eaglet.argmax(logits) if serves(logits) else torch.argmax(logits, dim=-1)
+
+
+def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
+    """One draw per row of softmax(logits / temperature) by eaglet::sample (callers ask serves first): sampling.sample's
+    inverse CDF, one float64 uniform a row in (0, 1) (sampling.uniform), the softmax's exponentials in C++ and never a
+    probability tensor."""
+    assert u.dtype == torch.float64 and u.shape == logits.shape[:-1]
+    return torch.ops.eaglet.sample(logits, u, 1.0 / temperature)
+
+
+def pack(weight: Tensor) -> Tensor:
+    """bf16 [out, in] -> int32 [out/16, in/2, 16]: element (b, p, i) holds weight[16b + i, 2p : 2p + 2]."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
+        .view(torch.int32).view(out_features // LANES, in_features // 2, LANES)
+
+
+def pack_int8(codes: Tensor) -> Tensor:
+    """int8 codes [out, in] -> int16 [out/16, in/2, 16]: pack's layout, each pair of codes in 2 bytes instead of 4."""
+    out_features, in_features = codes.shape
+    return codes.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
+        .view(torch.int16).view(out_features // LANES, in_features // 2, LANES)
+
+
+def fits(linear: nn.Linear) -> bool:
+    w = linear.weight
+    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.shape[0] % LANES == 0 and w.shape[1] % 2 == 0
+            and build())
