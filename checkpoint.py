@@ -17,9 +17,11 @@ from safetensors import SafetensorError
 import cachedir
 import quant
 from convert_hf_checkpoint import convert_gguf
-from draft import DraftHead, load_head, use_draft_vocab
-from model import ModelArgs, Transformer, load_state, one_line
+from draft import DraftHead, use_draft_vocab
+from model import ModelArgs, Transformer, one_line
+from sampling import Sampling
 from tokenizer import CHAT_FORMATTERS, load_tokenizer
+from weights import load_head, load_state
 
 REPO = Path(__file__).resolve().parent
 DEFAULT_HEAD = REPO / "heads" / "SmolLM2-135M-Instruct"  # trained for the default model (README: The shipped head)
@@ -41,6 +43,14 @@ class UsageParser(argparse.ArgumentParser):
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
 POSITIVE = ("dim", "n_layer", "n_head", "n_local_heads", "head_dim", "intermediate_size", "vocab_size", "block_size", "norm_eps", "rope_base")
+
+
+def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+    for bad, flag, want, value in ((not 0 <= temperature < float("inf"), "temperature", "finite and >= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
+                                   (top_k < 0, "top-k", ">= 0", top_k)):
+        if bad:
+            raise UsageError(f"--{flag} must be {want}, got {value}")
+    return Sampling(temperature, top_k, top_p)
 
 
 def config_error(config: dict) -> typing.Optional[str]:

@@ -18,8 +18,9 @@ from tqdm import tqdm
 import atomic
 import tokenizer as tok
 import tp
-from draft import Eagle3Head, EagleHead, check_head_fits, save_head
-from model import ModelArgs, Transformer, eagle3_taps, fuse_rows, load_state, rope_frequencies
+from draft import Eagle3Head, EagleHead
+from model import ModelArgs, Transformer, eagle3_taps, fuse_rows, rope_frequencies
+from weights import check_head_fits, load_state, save_head
 
 HF_TOP_NAMES = {
     "model.embed_tokens.weight": "tok_embeddings.weight",

@@ -15,7 +15,7 @@ import batch
 import dtypes
 import ops
 import tp
-from checkpoint import UsageError, check_prompts
+from checkpoint import check_prompts, check_sampling
 from compiling import compiled
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
@@ -27,14 +27,6 @@ GREEDY = Sampling()
 
 
 log_stderr = functools.partial(print, file=sys.stderr)
-
-
-def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
-    for bad, flag, want, value in ((not 0 <= temperature < float("inf"), "temperature", "finite and >= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
-                                   (top_k < 0, "top-k", ">= 0", top_k)):
-        if bad:
-            raise UsageError(f"--{flag} must be {want}, got {value}")
-    return Sampling(temperature, top_k, top_p)
 
 
 # ---------------------------------------------------------------- the steps a Generator compiles

@@ -3,7 +3,6 @@
 # needs them apart: a tree node's slot is L + node, its position is L + depth, its mask row its ancestors.
 import json
 import math
-import pickle
 from dataclasses import asdict, dataclass, field, fields
 from functools import partial
 from pathlib import Path
@@ -317,17 +316,3 @@ def live_width(last_slot: Tensor, length: int) -> int:
 def one_line(err: Exception, limit: int = 200) -> str:
     """An exception's message folded into one line: errors reach the user as exactly one line."""
     return " ".join(str(err).split())[:limit] or type(err).__name__
-
-
-def load_state(path: Path) -> dict:
-    """Weights from a safetensors file, or a pickle read with weights_only=True."""
-    path = Path(path)
-    from safetensors import SafetensorError
-    from safetensors.torch import load_file
-
-    try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path))
-        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
-    except (SafetensorError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
-        raise ValueError(f"{path} is truncated or not a weights file ({one_line(e)})") from None

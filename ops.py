@@ -6,17 +6,13 @@ import torch
 from torch import Tensor
 
 
-# ---------------------------------------------------------------- operations
-
 def attends(q: Tensor) -> bool:
-    """Whether attend serves these queries (model.attend_few asks while tracing a compiled step)."""
+    """Whether attend serves these few queries (model.attend_few asks while tracing a compiled step)."""
     return False
 
 
 def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree_k: Tensor, tree_v: Tensor, scale: float) -> Tensor:
-    """Attention of few queries q [B, H, T, D] over the cache's k/v [B, Hkv, S, D] and a verify's own tree_k/tree_v,
-    one softmax over both, mask [B, H, T, S + T'] (model.attend_few computes the same in torch)."""
-    raise NotImplementedError
+    raise NotImplementedError  # model.attend_few's fused loops, in one kernel
 
 
 def argmax(logits: Tensor) -> Tensor:
@@ -29,12 +25,8 @@ def samples(logits: Tensor) -> bool:
 
 
 def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
-    """One draw per row of softmax(logits / temperature) by the inverse CDF at u (float64 uniforms, a row each), as
-    sampling.sample draws from the probabilities."""
-    raise NotImplementedError
+    raise NotImplementedError  # sampling.sample's inverse-CDF draw at float64 uniforms u, one a row, from the logits
 
-
-# ---------------------------------------------------------------- preparing and compiling
 
 def choose(compile, target, log=print):
     """The CLI's --compile value -> the setting a Generator compiles with (True, or a backend's own, e.g. "max")."""
@@ -42,29 +34,26 @@ def choose(compile, target, log=print):
 
 
 def prepare(compile, target, *drafters):
-    """Readies the models' weights for decoding (compile: False, or choose's answer), in place. -> None, or the
-    Inductor options of graphs over these weights (e.g. frozen weights' key)."""
+    """Readies the models' weights for decoding (compile: False or choose's answer), in place. -> None, or the Inductor
+    options of graphs over these weights."""
     return None
 
 
 def inductor_settings(device: torch.device, frozen) -> dict:
-    """Inductor's global settings for this device's compiled steps (frozen: prepare's answer)."""
     return {"coordinate_descent_tuning": True} if device.type == "cuda" else {}  # CUDA: gpt-fast's
 
 
 def step_compiler(device: torch.device, frozen):
-    """None (steps compile lazily, at their first call, as torch.compile does) or a function (name, fn, args,
-    dynamic, log) -> (step, seconds compiling) that builds a step before the answer and may load it from disk."""
+    """None (steps compile at their first call, as torch.compile does) or a function (name, fn, args, dynamic, log) ->
+    (step, seconds compiling) that builds a step before the answer, or loads it from disk."""
     return None
 
 
 def kernel_name(dtype) -> str:
-    """What runs a prepared linear of this dtype: part of the keys of measured costs."""
-    return "torch"
+    return "torch"  # what runs a prepared linear of this dtype: part of the keys of measured costs
 
 
 def register(**hooks):
-    """A backend's replacements for the functions above, by name."""
     for name, fn in hooks.items():
         if name == "register" or not callable(globals().get(name)):
             raise KeyError(f"ops has no hook {name!r}")

@@ -6,7 +6,6 @@
 #   int4  weight uint8 [out, in_padded/2], two codes per byte with the even column in the high nibble, and one
 #         scale and zero per group of input columns: w = (q - 8) * scale + zero
 # Kernel layouts (tinygemm on CUDA, the CPU int4 kernel's) are built from it whenever the layer is moved or cast.
-import functools
 
 import torch
 import torch.nn as nn
@@ -176,9 +175,8 @@ class QuantLinear(nn.Module):
         if self.mode == "int8":
             # Which int8 kernel where (measured):
             #   CPU   torch._weight_int8pack_mm with the activations' dtype: at one row it reads the int8 weight
-            #         once: 13 us against 50 us for the bf16 F.linear on a 1536x576 layer, 0.86 ms against 2.07 ms
-            #         on the 49152-row LM head (2-core AMD EPYC, issue 14); fp32 activations made the whole int8
-            #         decode 0.29x fp32, so run it in bf16 (dtypes.py's default where bf16 is native).
+            #         once, a fraction of the bf16 F.linear's time; fp32 activations made the whole int8 decode
+            #         slower than fp32, so run it in bf16 (dtypes.py's default where bf16 is native; docs/cpu.md).
             #   CUDA  gpt-fast's F.linear(x, w.to(x.dtype)) * scales (weight_only_mm's fallback), which Inductor
             #         fuses into one GEMV (compiled() turns on coordinate-descent tuning there): the pack kernel is
             #         one thread per output with a serial loop over K, and a 10-row draft step reads every weight

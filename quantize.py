@@ -13,10 +13,10 @@ import torch.nn as nn
 import atomic
 import tp
 from checkpoint import UsageError, UsageParser, load_model
-from draft import load_head
 from model import ModelArgs, causal_mask
 from quant import GROUPSIZES, MODES, quantize_model
 from tokenizer import load_tokenizer
+from weights import load_head
 
 EVAL_TEXT = (
     "The history of the printing press begins in the fifteenth century, when Johannes Gutenberg combined "

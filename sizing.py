@@ -26,7 +26,7 @@ TOPK_CHOICES = (4, 10)
 # Sampling's trees keep fixed widths a level (spectree.grow_coupled), which the prior's best tree of m nodes with k
 # children a node sets: k 10, the paper's, only bounds how many of a node's ranks that tree may use.
 TOPK_SAMPLING = (10,)
-LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lifted tau from 1.72 to 2.10, the cycle 2% dearer (BENCHMARKS.md)
+LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lift tau far more than they cost the cycle (docs/results.md)
 # The priors: spectree.RANK_ACCEPT, and RANK_ACCEPT_SAMPLING for sampling's coupled trees.
 CONTEXT = 256  # position the costs are measured at
 # The most draft levels (or chain tokens) a cycle may have: each level is a head pass, and its drafts are accepted
@@ -64,7 +64,7 @@ def lookup_slots(depth: int, given=None, batch: int = 1) -> int:
 
 def asked_lookup_slots(given, sampling: bool):
     """The lookup slots asked for: as given, else lookup_slots' default (None) for greedy decoding and none when sampling:
-    at T=1 on 12 MT-bench turns they added no τ (1.60 with 3, 1.59 without, BENCHMARKS.md) for 3 more verified rows a cycle."""
+    at T=1 on 12 MT-bench turns they added no τ for 3 more verified rows a cycle."""
     return given if given is not None or not sampling else 0
 
 
@@ -252,7 +252,7 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
 
 def swept_key(sampling: bool) -> str:
     # Greedy decoding and sampling each get their own tree; sampling's sweeps before its trees were coupled to the draws
-    # (spectree.grow_coupled, session 57) were recorded as "swept sampling" and no longer count.
+    # (spectree.grow_coupled) were recorded as "swept sampling" and no longer count.
     return "swept coupled sampling" if sampling else "swept"
 
 

@@ -173,7 +173,7 @@ def bench(a) -> dict:
         base_name = "none B=" + name.split(" B=")[1] if " B=" in name else "none"
         if base_name in results:
             row["speedup"] = round(row["tokens_per_s"] / results[base_name]["tokens_per_s"], 3)
-            if "cycle_ms" in row and "cycle_ms" in results[base_name]:  # issue 15's bar: a cycle in decode steps
+            if "cycle_ms" in row and "cycle_ms" in results[base_name]:  # a cycle's cost in decode steps
                 row["cycle_over_step"] = round(row["cycle_ms"] / results[base_name]["cycle_ms"], 3)
             if name != base_name and a.temperature == 0:
                 row["greedy_agreement"] = greedy_agreement(outputs[base_name], outputs[name])

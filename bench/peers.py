@@ -1,6 +1,6 @@
 # What users compare us with, on our prompts, chat template and token budget: HF transformers `generate` (plain
 # and with prompt lookup) and llama.cpp (through llama-cpp-python). Both are optional, benchmark-only
-# dependencies (see BENCHMARKS.md for installing them); bench.py --peers skips a missing one with a note.
+# dependencies (docs/results.md says how to install them); bench.py --peers skips a missing one with a note.
 #
 # Each peer gets the same token ids we feed our model (our tokenizer and template), runs greedy, stops on our
 # stop tokens or the budget, and is timed like Generator.generate: prefill included, model loading excluded.
@@ -13,7 +13,8 @@ from pathlib import Path
 
 import torch
 
-from model import ModelArgs, load_state
+from model import ModelArgs
+from weights import load_state
 
 PEERS = ("transformers", "llama.cpp")
 LLAMA_CPP_TYPES = ("bf16", "q8_0", "q4_1")  # q4_1: the shipped GGUF itself; f32 joins them when we decode in fp32

@@ -24,10 +24,11 @@ from bench import bench
 from checkpoint import UsageError
 from cpu import inductor
 from convert_hf_checkpoint import convert_hf
-from draft import EagleHead, save_head
+from draft import EagleHead
 from hf_fixtures import write_gguf, write_hf_llama
 from sampling import Sampling
 from tokenizer import load_tokenizer
+from weights import save_head
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -36,7 +37,7 @@ REPO = Path(__file__).resolve().parents[1]
 def own_cache(tmp_path, monkeypatch):
     """Every test (and the subprocesses it starts) measures into its own cache directory."""
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "eaglet-cache"))
-    monkeypatch.setattr(cache, "_warned", set())
+    monkeypatch.setattr(cachedir, "_warned", set())
     return tmp_path / "eaglet-cache"
 
 
@@ -443,7 +444,7 @@ def test_a_full_cache_disk_measures_without_saving(dirs, own_cache, capsys, monk
     def full(path, fill):
         raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
 
-    monkeypatch.setattr(cache.atomic, "write", full)
+    monkeypatch.setattr(cachedir.atomic, "write", full)
     gen, _ = eaglet.load_generator(root / "ckpt", root / "head", "eagle2", dtype="float32", log=lambda s: None)
     err = capsys.readouterr().err
     assert warnings(err) == [f"warning: {own_cache}: cannot save measurements here (No space left on device), so they are made again next run"], err

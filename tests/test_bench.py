@@ -6,8 +6,9 @@ import pytest
 from bench import bench
 from bench import peers
 from convert_hf_checkpoint import convert_hf
-from draft import EagleHead, save_head
+from draft import EagleHead
 from hf_fixtures import write_hf_llama
+from weights import save_head
 
 
 @pytest.fixture(scope="module")

@@ -393,8 +393,8 @@ def test_a_packed_draft_head_reads_int8_codes_and_stays_lossless(tiny_args, rand
     head = head.bfloat16()
     vanilla = Generator(target, compile=True)
     gen = Generator(target, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=head, compile=True)
-    linears = [m for m in head.modules() if isinstance(m, nn.Linear)]
-    assert len(linears) >= 6 and all(type(m) is linears.RowsLinearInt8 and m.packed.dtype == torch.int16 for m in linears)
+    layers = [m for m in head.modules() if isinstance(m, nn.Linear)]
+    assert len(layers) >= 6 and all(type(m) is linears.RowsLinearInt8 and m.packed.dtype == torch.int16 for m in layers)
     assert type(target.output) is linears.RowsLinear  # the target's own weights stay bf16
     lm_head = head.lm_head
     h = torch.randn(3, 128).bfloat16()

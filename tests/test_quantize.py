@@ -12,13 +12,14 @@ from torch._inductor.utils import run_and_get_code
 import quant
 import quantize
 from cpu import linears
-from draft import EagleHead, load_head, save_head
+from draft import EagleHead
 from checkpoint import load_model
 from eaglet import Generator
 from sampling import Sampling
 from speculate import TreeSpec
 from model import ModelArgs, Transformer
 from quant import KERNEL_MAX_ROWS, QuantLinear
+from weights import load_head, save_head
 
 # Relative RMS output error against the float layer, Gaussian weights and inputs, 192 -> 256, worst of 5 seeds
 # at 1 and 64 rows: int8 0.0072, int4 g32 0.085, g64 0.092, g128 0.108. The bounds sit a little above.

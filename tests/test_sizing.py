@@ -193,8 +193,8 @@ def test_compiled_sizing_of_a_quantised_target(tmp_path, monkeypatch, tiny_args,
     assert entry["decode_ms"] > 0 and all(r > 0 for r in [*entry["verify"].values(), *entry["level"].values()])
 
 
-# The AMX Xeon's compiled costs (session 48's tree_sizes.json). Its sweeps picked m8 d3 k4 then and m8 d2 k4 + 2 in session
-# 52 greedy, and m8 d2 k10 or m12 d2 k10 at T=1.
+# An AMX Xeon's compiled costs (its tree_sizes.json). Its sweeps picked m8 d3 k4 and later m8 d2 k4 + 2 greedy, and
+# m8 d2 k10 or m12 d2 k10 at T=1.
 AMX = {"verify": {"3": 1.198, "5": 1.222, "7": 1.295, "9": 1.329, "13": 1.46, "17": 2.085, "25": 2.439, "33": 2.601,
                   "49": 3.063, "61": 3.629}, "level": {"4": 0.103, "10": 0.118}}
 

@@ -20,9 +20,9 @@ REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("cpu", "bench", "train")
 CLIS = {"generate", "quantize", "bench.bench", "bench.calibration", "bench.distill_speed", "bench.noise_cost", "train.head_agreement"}
 LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cachedir", "prompts",
-           "convert_hf_checkpoint", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "bench", "bench.peers", "train", "train.distill",
+           "convert_hf_checkpoint", "terminal", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "bench", "bench.peers", "train", "train.distill",
            "train.train_draft"}  # train_draft: a CLI whose training steps head_agreement reuses
-MODELS = {"model", "draft", "quant", "ops", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
+MODELS = {"model", "draft", "weights", "quant", "ops", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
 LAYER = {name: i for i, layer in enumerate((MODELS, LIBRARY, CLIS)) for name in layer}
 CYCLE_FILES = ("model", "draft", "spectree", "sampling", "ops", "speculate", "generator", "generate")  # one cycle, generate.py down
 LOADING = {"eaglet"}  # where the CPU wing enters

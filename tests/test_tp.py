@@ -16,9 +16,10 @@ from safetensors.torch import save_file
 
 import generate
 import tp
-from draft import EagleHead, save_head
+from draft import EagleHead
 from hf_fixtures import write_tokenizer
 from model import ModelArgs, Transformer, causal_mask
+from weights import save_head
 
 REPO = Path(__file__).resolve().parents[1]
 VOCAB = 320

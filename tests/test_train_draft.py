@@ -12,7 +12,7 @@ from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
 
 from train import distill
 from train import train_draft
-from draft import EagleHead, load_head, save_head
+from draft import EagleHead
 from checkpoint import load_model
 from eaglet import Generator
 from sampling import Sampling
@@ -20,6 +20,7 @@ from speculate import TreeSpec
 from tokenizer import encode_prompt
 from model import ModelArgs, Transformer
 from tokenizer import load_tokenizer
+from weights import load_head, save_head
 
 TRAIN_ARGS = ["--num-prompts", "6", "--max-request-tokens", "24", "--max-answer-tokens", "48", "--gen-batch", "4",
               "--batch-size", "2", "--lr", "3e-3", "--warmup-steps", "3", "--save-every", "5", "--device", "cpu",

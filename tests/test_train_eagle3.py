@@ -9,7 +9,7 @@ import torch
 
 import dtypes
 from train import train_draft
-from draft import Eagle3Head, load_head
+from draft import Eagle3Head
 from checkpoint import load_model
 from eaglet import Generator, acceptance_metrics
 from sampling import Sampling
@@ -18,6 +18,7 @@ from tokenizer import encode_prompt
 from model import causal_mask, eagle3_taps
 from test_train_draft import TRAIN_ARGS, write_tiny_checkpoint
 from tokenizer import load_tokenizer
+from weights import load_head
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 

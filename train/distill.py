@@ -48,7 +48,7 @@ SEEDS = [
     "What is the best way to", "Create a weekly workout plan for", "Plan a three-day trip to", "Recommend some books about",
     "Suggest a name for", "Brainstorm ideas for", "Design a", "Outline an essay on", "Write a product description for",
     "List five", "Describe",
-    # task kinds the list above missed (session 56): role play, extraction and editing of a given text, judging
+    # task kinds the list above missed: role play, extraction and editing of a given text, judging
     "Pretend you are", "Imagine you are", "Act as", "You are a", "Extract the", "Given the following text,",
     "Read the passage below and", "Identify the", "Classify the following", "Edit the following paragraph",
     "Evaluate the following", "Analyze", "Write a persuasive essay", "Compose an engaging blog post about", "Draft a",

@@ -22,11 +22,12 @@ import torch.nn.functional as F  # noqa: E402
 
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model  # noqa: E402
 from train.distill import sample_batch  # noqa: E402
-from draft import load_head, use_draft_vocab  # noqa: E402
+from draft import use_draft_vocab  # noqa: E402
 from prompts import load_conversations  # noqa: E402
 from sampling import draw as sampling_draw, gumbel  # noqa: E402
 from tokenizer import encode_prompt, load_tokenizer  # noqa: E402
 from train.train_draft import target_argmax, unrolled_steps  # noqa: E402
+from weights import load_head  # noqa: E402
 
 
 @torch.no_grad()

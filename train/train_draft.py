@@ -43,9 +43,10 @@ import tp
 from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
 from train import distill
 from train.distill import DataConfig, append_jsonl
-from draft import Eagle3Head, EagleHead, load_head, save_head
+from draft import Eagle3Head, EagleHead
 from model import Attention, Transformer, apply_rope, eagle3_taps, one_line
 from tokenizer import load_tokenizer
+from weights import load_head, save_head
 
 
 @dataclass
