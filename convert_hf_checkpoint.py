@@ -421,26 +421,26 @@ def main(argv=None) -> int:
     parser.add_argument("--eagle", action="store_true", help="the source is an official EAGLE-1/2 or EAGLE-3 draft head")
     parser.add_argument("--target", type=Path, help="with --eagle: our converted target, which the head must fit")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
-    a = parser.parse_args(argv)
-    if a.target and not a.eagle:
+    opts = parser.parse_args(argv)
+    if opts.target and not opts.eagle:
         parser.error("--target goes with --eagle")
-    if a.gguf and a.eagle:
+    if opts.gguf and opts.eagle:
         parser.error("--eagle converts an HF head directory, not a GGUF file")
     try:
-        if a.gguf:
-            convert_gguf(a.gguf, a.out)
+        if opts.gguf:
+            convert_gguf(opts.gguf, opts.out)
         else:
-            source_dir = download(a.repo_id) if a.repo_id else a.checkpoint_dir
+            source_dir = download(opts.repo_id) if opts.repo_id else opts.checkpoint_dir
             if not source_dir.is_dir():
                 raise FileNotFoundError(f"{source_dir} is not a directory")
-            if a.eagle:
-                convert_eagle(source_dir, a.out, a.target)
+            if opts.eagle:
+                convert_eagle(source_dir, opts.out, opts.target)
             else:
-                convert_hf(source_dir, a.out, name=a.repo_id)
+                convert_hf(source_dir, opts.out, name=opts.repo_id)
     except (OSError, ValueError, SafetensorError) as e:  # SafetensorError: safetensors' own, a full disk's too
         print(f"error: {(str(e).splitlines() or [type(e).__name__])[0]}", file=sys.stderr)
         return 2
-    print(f"wrote {a.out}", file=sys.stderr)
+    print(f"wrote {opts.out}", file=sys.stderr)
     return 0
 
 

@@ -1,7 +1,7 @@
-# The default device and dtype. Device: CUDA if there is one. Dtype: CUDA: bf16. CPU: whichever decodes faster here, measured once per machine and
-# cached (dtypes.json beside the tree sizes). CPUs differ: on a 2-core AMD EPYC with AVX512-BF16 bf16 decodes
-# 2x faster than fp32 (half the bytes, native dot products); on a Xeon with AVX512-BF16 but no AMX it measured
-# slower. A CPU without native bf16 (neither AVX512-BF16 nor AMX on x86) is ruled out without measuring.
+# The default device and dtype. Device: CUDA if there is one. Dtype: CUDA: bf16. CPU: whichever decodes faster here,
+# measured once per machine and cached (dtypes.json beside the tree sizes): CPUs differ, even among those with
+# AVX512-BF16, where bf16 reads half the bytes with native dot products (docs/cpu.md). A CPU without native bf16
+# (neither AVX512-BF16 nor AMX on x86) is ruled out without measuring.
 import platform
 import time
 from pathlib import Path
@@ -31,7 +31,7 @@ def cpu_name() -> str:
 
 
 def native_bf16(device="cpu") -> bool:
-    """bf16 matmuls run natively (measured 3.7-5.7x fp32 on an AVX512-BF16 CPU, slower where emulated)."""
+    """bf16 matmuls run natively (where they are emulated they are slower than fp32)."""
     if torch.device(device).type == "cuda":
         return torch.cuda.is_bf16_supported()
     if platform.machine().lower() not in ("x86_64", "amd64", "i386", "i686"):
@@ -57,8 +57,8 @@ def _linear_ms(weights: list, dtypes: tuple, reps: int = 15) -> list:
 def measure_cpu() -> dict:
     """One-row matmuls over 108 MB of fp32 weights (more than any L3 cache, like a model's decode step) in
     fp32 and bf16, on one thread: milliseconds each. One thread measures what the core's instructions do; with
-    all threads a busy machine decides (a descheduled thread stalls bf16's parallel GEMV by a whole time slice,
-    measured 16 ms a call under load on the 2-core box) and a wrong choice would stay cached."""
+    all threads a busy machine decides (a descheduled thread stalls bf16's parallel GEMV by a whole time slice) and
+    a wrong choice would stay cached."""
     g = torch.Generator().manual_seed(0)
     weights = [torch.randn(out, inp, generator=g) for out, inp in ((2048, 2048), (5632, 2048), (2048, 5632))]
     threads = torch.get_num_threads()

@@ -50,18 +50,18 @@ def build_parser() -> argparse.ArgumentParser:
     return p
 
 
-def answer_batch(gen, tokenizer, prompts: list, a, sampling, quiet: bool) -> int:
+def answer_batch(gen, tokenizer, prompts: list, opts, sampling, quiet: bool) -> int:
     """Several prompts in one batch (Generator.generate_batch): each answer in order, or one JSON object per answer."""
     stops = gen.target.args.stop_tokens
-    results = gen.generate_batch(prompts, a.max_new_tokens, sampling, stops, a.batch_size)
+    results = gen.generate_batch(prompts, opts.max_new_tokens, sampling, stops, opts.batch_size)
     for i, result in enumerate([] if quiet else results):
         text = tokenizer.decode([t for t in result.token_ids if t not in stops])
-        if a.json:
+        if opts.json:
             print(json.dumps({"index": i, "text": text, "token_ids": result.token_ids, **result.metrics(gen.spec)}))
         else:
             print(f"[{i}] {text}")
             print(status_line(result, gen.spec), file=sys.stderr)
-    if not quiet and not a.json:
+    if not quiet and not opts.json:
         total = sum(len(r.token_ids) for r in results)
         print(f"[batch of {len(results)}: {total} tokens in {results[0].seconds:.2f} s, {total / results[0].seconds:.1f} tok/s]", file=sys.stderr)
     return 0
@@ -70,29 +70,29 @@ def answer_batch(gen, tokenizer, prompts: list, a, sampling, quiet: bool) -> int
 def main(argv=None) -> int:
     quiet = tp.rank() != 0  # every rank generates the same tokens; rank 0 alone prints them
     try:
-        a = build_parser().parse_args(argv)
-        sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-        questions = [check_text(q, "--prompt") for q in a.prompt or []] + ([turns[0] for turns in load_conversations(a.prompts)] if a.prompts else [])
-        if a.batch_size < 0:
-            raise UsageError(f"--batch-size must be >= 0, got {a.batch_size}")
-        if a.interactive and (a.prompt or a.prompts or sys.stdin is None):  # None: started with stdin closed
+        opts = build_parser().parse_args(argv)
+        sampling = check_sampling(opts.temperature, opts.top_k, opts.top_p)
+        questions = [check_text(q, "--prompt") for q in opts.prompt or []] + ([turns[0] for turns in load_conversations(opts.prompts)] if opts.prompts else [])
+        if opts.batch_size < 0:
+            raise UsageError(f"--batch-size must be >= 0, got {opts.batch_size}")
+        if opts.interactive and (opts.prompt or opts.prompts or sys.stdin is None):  # None: started with stdin closed
             raise UsageError("--interactive reads its prompts from stdin" + (", which is closed" if sys.stdin is None else ", not --prompt or --prompts"))
-        gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
-                                        depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots, sampling=sampling,
-                                        batch=min(a.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
+        gen, tokenizer = load_generator(opts.checkpoint, opts.draft, opts.speculate, device=opts.device, dtype=opts.dtype, compile=opts.compile,
+                                        depth=opts.depth, topk=opts.topk, num_draft_tokens=opts.num_draft_tokens, speculate_k=opts.speculate_k,
+                                        draft_vocab=opts.draft_vocab, draft_checkpoint=opts.draft_checkpoint, lookup_slots=opts.lookup_slots, sampling=sampling,
+                                        batch=min(opts.batch_size or len(questions), len(questions)) or 1)  # a batch's tree is sized for its rows
         margs = gen.target.args
-        chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
-        torch.manual_seed(a.seed)
-        if a.interactive:
+        chat_template = opts.chat if opts.chat is not None else bool(margs.chat_template)
+        torch.manual_seed(opts.seed)
+        if opts.interactive:
             if tp.world_size() > 1:
                 raise UsageError("--interactive runs in one process, not under torchrun")
-            return chat(gen, tokenizer, a, sampling, chat_template)
+            return chat(gen, tokenizer, opts, sampling, chat_template)
         prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": q}], chat_template) for q in questions or [DEFAULT_PROMPT]]
         if len(prompts) > 1:
-            return answer_batch(gen, tokenizer, prompts, a, sampling, quiet)
-        stream, _ = streamer(tokenizer, margs.stop_tokens, show=not a.json and not quiet)
-        result = gen.generate(prompts[0], a.max_new_tokens, sampling, margs.stop_tokens, stream)
+            return answer_batch(gen, tokenizer, prompts, opts, sampling, quiet)
+        stream, _ = streamer(tokenizer, margs.stop_tokens, show=not opts.json and not quiet)
+        result = gen.generate(prompts[0], opts.max_new_tokens, sampling, margs.stop_tokens, stream)
     except UsageError as e:
         if not quiet:
             print(f"error: {e}", file=sys.stderr)
@@ -102,7 +102,7 @@ def main(argv=None) -> int:
     text = tokenizer.decode([t for t in result.token_ids if t not in margs.stop_tokens])
     metrics = result.metrics(gen.spec) | {"dtype": str(gen.target.tok_embeddings.weight.dtype).removeprefix("torch."),
                                            "compile_s": round(gen.compile_seconds, 1)}  # spent before the answer, not in its tok/s
-    if a.json:
+    if opts.json:
         print(json.dumps({"text": text, "token_ids": result.token_ids, **metrics}))
     else:
         print()

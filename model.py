@@ -103,7 +103,7 @@ class KVCache(nn.Module):
             self.register_buffer(name, None, persistent=False)
 
     # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
-    # rule, and its per-row fallback copied the whole cache at every write (7.6 ms against 0.1 for 30 layers at B=4).
+    # rule, and its per-row fallback copied the whole cache at every write.
     def update(self, cache_pos: Optional[Tensor], k: Tensor, v: Tensor, width: int):
         if cache_pos is None:  # a tree verify: the first width - T slots as they are; the tree's rows wait in k_tree
             self.k_tree[:, :, : k.shape[2]].copy_(k)  # a tree may come out smaller than the room for it
@@ -159,8 +159,8 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
-# CPU SDPA tiles over queries, slow when they are few: 258 us a layer at 16 (a tree verify over 768 bf16 slots), against
-# 127 for attend_few's matmuls. Longer prompts keep SDPA (no scores in memory), training (no cache) its backward.
+# CPU SDPA tiles over queries, slow when they are few (a tree verify's 16): attend_few's matmuls take half its time
+# there. Longer prompts keep SDPA (no scores in memory), training (no cache) its backward.
 FEW_QUERIES, FUSED_QUERIES = 256, 16  # compiled, up to FUSED_QUERIES queries take attend_few's fused loops
 
 
@@ -175,8 +175,8 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tens
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
     keys, values = [k] + ([tree[0]] if tree else []), [v] + ([tree[1]] if tree else [])
-    # Compiled, products and sums fuse into a loop over the cache; as matmuls each was an extern call (a verify's
-    # unbacked live_width keeps the templates off: 92 calls, 4.0 of a 25.5 ms eagle2 cycle). Eagerly, matmuls win.
+    # Compiled, products and sums fuse into a loop over the cache; as matmuls each is an extern call (a verify's
+    # unbacked live_width keeps the templates off), a sixth of a cycle. Eagerly, matmuls win.
     if fused:
         qg = q.view(B, n_kv, G, T, 1, D).float()
         scores = torch.cat([(qg * kk[:, :, None, None].float()).sum(-1) for kk in keys], -1)  # [B, Hkv, G, T, S(+T)]
@@ -302,8 +302,8 @@ def causal_mask(cache_pos: Tensor, max_seq_length: int) -> Tensor:
 
 
 def live_width(last_slot: Tensor, length: int) -> int:
-    """Cache slots a pass reads: up to last_slot on a CPU, where attention costs what it reads (a 9-row verify,
-    768 bf16 slots: 146 us a layer, 200 slots: 78), one graph for every width (an unbacked size when compiled).
+    """Cache slots a pass reads: up to last_slot on a CPU, where attention costs what it reads, one graph for every
+    width (an unbacked size when compiled).
     All of them on a GPU (CUDA graphs replay fixed shapes) and under torch.vmap (batch.py: rows end apart)."""
     if last_slot.device.type != "cpu" or torch._C._functorch.is_batchedtensor(last_slot):
         return length

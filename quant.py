@@ -18,8 +18,8 @@ MODES = ("int8", "int4")
 GROUPSIZES = (32, 64, 128)
 # Rows (tokens) up to which the weight-only kernels run. They are memory bound and tinygemm computes 16-row
 # tiles, so up to 16 rows they cost about what one row costs. Past that they lose to dequantising the weight
-# once and running a dense tensor-core GEMM: gpt-fast's int4 layer took 7.8x its one-row time at 64 rows, and
-# its int8 layer 170x, where a bf16 GEMM took 1.2x. A tree verify has about 60 rows, a draft step 1 to topk.
+# once and running a dense tensor-core GEMM, whose time barely grows with rows (gpt-fast's weight-only layers grow
+# many times over by 64 rows). A tree verify has about 60 rows, a draft step 1 to topk.
 KERNEL_MAX_ROWS = 16
 ROWS_CHUNK = 8
 
@@ -55,7 +55,7 @@ def unpack_int4(packed: Tensor) -> Tensor:
 def block_words(codes: Tensor) -> Tensor:
     """int8 or uint8 codes [out, bytes] -> [out/8, bytes/4, 8] 32-bit words typed fp32, for the *_rows_mm kernels:
     word (b, c, i) holds bytes 4c..4c+3 of output 8b+i, byte j in bits 8j..8j+7 (little endian). Typed fp32 because
-    Inductor's AVX2 code loads an int32 vector through a stack copy (a store-forwarding stall each load: 3x slower);
+    Inductor's AVX2 code loads an int32 vector through a stack copy (a store-forwarding stall each load);
     a float load is direct, and the kernels view the words as int32 again."""
     out_features, nbytes = codes.shape
     return codes.view(torch.int32).view(out_features // 8, 8, nbytes // 4).transpose(1, 2).contiguous().view(torch.float32)
@@ -68,10 +68,9 @@ def block_groups(t: Tensor) -> Tensor:
 
 # int8_rows_mm and int4_rows_mm are tensor code written for Inductor's CPU backend, which makes each one loop over
 # the weight words: bytes or nibbles taken out by shifts, converted once and fed to every row's accumulator (8
-# outputs a vector). So the weight is read in its quantised form, a quarter or an eighth of fp32's bytes. On a
-# 2-core AVX2 EPYC (Zen 3), one thread, the LM head (49152x576) at one row: fp32 F.linear 14.8 ms, int8 5.1 ms,
-# int4 7.3 ms (more decode work per byte), torch's _weight_int8pack_mm with fp32 activations 45 ms. 8 rows cost
-# 2.0-2.8x one row. Eager, their unfused temporaries would cost far more: compiling_unfrozen() guards them.
+# outputs a vector). So the weight is read in its quantised form, a quarter or an eighth of fp32's bytes, faster than
+# fp32's F.linear and than torch's int8 pack kernel with fp32 activations (docs/cpu.md); int4 does more decode work
+# per byte. Eager, their unfused temporaries would cost far more: compiling_unfrozen() guards them.
 
 def int8_rows_mm(x: Tensor, words: Tensor, scales: Tensor) -> Tensor:
     """x [rows <= ROWS_CHUNK, in] fp32, block_words(int8 weight) -> [rows, out]."""
@@ -181,8 +180,8 @@ class QuantLinear(nn.Module):
             #         fuses into one GEMV (compiled() turns on coordinate-descent tuning there): the pack kernel is
             #         one thread per output with a serial loop over K, and a 10-row draft step reads every weight
             #         row 10 times.
-            #   CPU, compiled, fp32 activations: int8_rows_mm (the int8 pack kernel with fp32 activations took 7-9x
-            #         its time per layer on AVX2; bf16 activations, measured on AVX-512 only, keep the pack kernel).
+            #   CPU, compiled, fp32 activations: int8_rows_mm (the int8 pack kernel with fp32 activations is several
+            #         times slower on AVX2); bf16 activations keep the pack kernel.
             if device.type != "cpu":
                 return
             self.kernel = "int8pack"
@@ -191,7 +190,7 @@ class QuantLinear(nn.Module):
         elif device.type == "cpu" and hasattr(torch.ops.aten, "_convert_weight_to_int4pack_for_cpu"):
             self.packed = torch.ops.aten._convert_weight_to_int4pack_for_cpu(unpack_int4(self.weight).int(), 2)
             self.kernel = "int4pack_cpu"
-            if self.out_features % 8 == 0:  # compiled, fp32 activations: int4_rows_mm (decodes 7.6x faster on AVX2)
+            if self.out_features % 8 == 0:  # compiled, fp32 activations: int4_rows_mm (faster than the int4 pack kernel)
                 groups = self.scales.shape[1]
                 self.words = block_words(self.weight).view(self.out_features // 8, groups, self.groupsize // 8, 8)
                 self.group_scales = block_groups(self.scales.float())
@@ -220,7 +219,7 @@ class QuantLinear(nn.Module):
         scales = self.scales.to(dtype)
         if self.mode == "int8":
             # Scale the weight, not the output: past KERNEL_MAX_ROWS rows gpt-fast's linear(x, w.to(dtype)) * scales
-            # compiled into a kernel 170x slower at 64 rows than at one. weight_only_mm keeps that form for the few
+            # compiled into a kernel far slower at 64 rows than at one. weight_only_mm keeps that form for the few
             # rows below the threshold, where Inductor makes it one GEMV that reads the int8 weight once.
             return self.weight.to(dtype) * scales[:, None]
         codes = unpack_int4(self.weight).view(self.out_features, -1, self.groupsize).to(dtype)

@@ -113,14 +113,14 @@ def build_parser() -> argparse.ArgumentParser:
 
 def main(argv=None) -> int:
     try:
-        a = build_parser().parse_args(argv)
-        if a.eval_against is not None:
-            print(json.dumps(logit_error(a.eval_against, a.checkpoint, a.device, dtype=getattr(torch, a.dtype) if a.dtype else None)))
+        opts = build_parser().parse_args(argv)
+        if opts.eval_against is not None:
+            print(json.dumps(logit_error(opts.eval_against, opts.checkpoint, opts.device, dtype=getattr(torch, opts.dtype) if opts.dtype else None)))
             return 0
-        if a.mode is None:
+        if opts.mode is None:
             raise UsageError("--mode int8|int4 is required (or --eval-against FLOAT_DIR)")
-        out = a.out or default_out(a.checkpoint, a.mode, a.groupsize)
-        print(quantize_checkpoint(a.checkpoint, out, a.mode, a.groupsize))
+        out = opts.out or default_out(opts.checkpoint, opts.mode, opts.groupsize)
+        print(quantize_checkpoint(opts.checkpoint, out, opts.mode, opts.groupsize))
     except (UsageError, ValueError, OSError, RuntimeError) as e:
         print(f"error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -126,7 +126,7 @@ def _median_ms(fn, device, reps: int = 3) -> float:
 
 def _median_ratio(fn, step, device, reps: int = 3) -> float:
     """fn's time in decode steps, each timing of fn beside one of the step: a CPU's memory bandwidth drifts between
-    measurements made apart (on a 2-core EPYC a 3-row pass read 1.42 steps so, where it costs 1.05)."""
+    measurements made apart (timed apart, a 3-row pass read a third dearer than it is)."""
     sync = dtypes.synchronizer(device)
     fn()
     return sorted(_ms(fn, sync) / _ms(step, sync) for _ in range(reps))[reps // 2]

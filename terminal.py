@@ -25,7 +25,7 @@ def status_line(result, spec) -> str:
     return "[" + ", ".join(parts + [f"prefilled {result.prefilled} tokens"]) + "]"
 
 
-def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
+def chat(gen, tokenizer, opts, sampling, chat_template: bool) -> int:
     """The terminal chat: a user turn per line, each answer streamed, then a status line. The conversation's
     earlier turns stay in the caches (Generator.generate(reuse=True)): a turn prefills only what is new."""
     margs, messages = gen.target.args, []
@@ -52,18 +52,18 @@ def chat(gen, tokenizer, a, sampling, chat_template: bool) -> int:
             print(f"error: {e}", file=sys.stderr)
             continue
         prompt = encode_prompt(tokenizer, margs, turn, chat_template)
-        if len(prompt) + a.max_new_tokens > margs.block_size:
-            print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {a.max_new_tokens} would exceed the context of "
+        if len(prompt) + opts.max_new_tokens > margs.block_size:
+            print(f"the conversation ({len(prompt)} tokens) plus --max-new-tokens {opts.max_new_tokens} would exceed the context of "
                   f"{margs.block_size}: /reset to start over", file=sys.stderr)
             continue
-        stream, ids = streamer(tokenizer, margs.stop_tokens, show=not a.json)
+        stream, ids = streamer(tokenizer, margs.stop_tokens, show=not opts.json)
         try:
-            result = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, stream, reuse=True)
+            result = gen.generate(prompt, opts.max_new_tokens, sampling, margs.stop_tokens, stream, reuse=True)
             status = status_line(result, gen.spec)
         except KeyboardInterrupt:  # the answer so far stays in the conversation; the next turn prefills it afresh
             result, status = None, "[stopped]"
         messages = turn + [{"role": "assistant", "content": tokenizer.decode(ids)}]
-        if a.json:  # one object per answer: a transcript a program can read
+        if opts.json:  # one object per answer: a transcript a program can read
             print(json.dumps({"text": messages[-1]["content"], "prompt_tokens": len(prompt)}
                              | ({"token_ids": result.token_ids, "prefilled": result.prefilled, **result.metrics(gen.spec)} if result else {"stopped": True})))
             continue

@@ -166,7 +166,7 @@ GGUF_CONTROL_TOKEN = 3
 
 @functools.lru_cache(maxsize=1)
 def _gguf_tokenizer_fields(gguf_path: str) -> dict:
-    # GGUFReader parses the whole file (about 3 s for SmolLM2), so both public readers share one parse
+    # GGUFReader parses the whole file (seconds), so both public readers share one parse
     reader = gguf.GGUFReader(gguf_path)
     return {key: field.contents() for key, field in reader.fields.items() if key.startswith("tokenizer.")}
 

@@ -73,7 +73,7 @@ def add_result(totals: dict, r: Result):
         totals["hist"] = [x + y for x, y in zip(totals["hist"] or [0] * len(r.accept_hist), r.accept_hist)]
 
 
-def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, name=None, reuse=False, batch=0) -> dict:
+def run_mode(gen, tokenizer, margs, conversations, opts, sampling, progress=True, name=None, reuse=False, batch=0) -> dict:
     """Generates an answer for every turn (first turns unless --multi-turn); returns totals and every answer's
     token ids. gen: a Generator, or a peer's generate(prompt, max_new_tokens, stop_ids) -> (ids, seconds).
     reuse: a turn prefills only what the caches do not hold from the conversation's earlier turns.
@@ -81,8 +81,8 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
     totals = dict(new_tokens=0, seconds=0.0, decode_seconds=0.0, cycles=0, cycle_tokens=0, hist=None, turns=0, outputs=[], prefill=[])
     if batch:
         prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
-        torch.manual_seed(a.seed)
-        results = gen.generate_batch(prompts, a.max_new_tokens, sampling, margs.stop_tokens, batch)
+        torch.manual_seed(opts.seed)
+        results = gen.generate_batch(prompts, opts.max_new_tokens, sampling, margs.stop_tokens, batch)
         totals["seconds"] += results[0].seconds
         totals["decode_seconds"] += results[0].seconds - results[0].prefill_seconds
         for r in results:
@@ -95,15 +95,15 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
         it = tqdm(conversations, desc=name or (gen.spec.mode if gen.spec else "none"), file=sys.stderr, leave=False)
     for turns in it:
         messages = []
-        for t, turn in enumerate(turns if a.multi_turn else turns[:1]):
+        for t, turn in enumerate(turns if opts.multi_turn else turns[:1]):
             messages.append({"role": "user", "content": turn})
             prompt = encode_prompt(tokenizer, margs, messages, chat=True)
-            torch.manual_seed(a.seed)
+            torch.manual_seed(opts.seed)
             if isinstance(gen, Generator):
-                r = gen.generate(prompt, a.max_new_tokens, sampling, margs.stop_tokens, reuse=reuse)
+                r = gen.generate(prompt, opts.max_new_tokens, sampling, margs.stop_tokens, reuse=reuse)
                 totals["prefill"].append((t, r.prefill_seconds, r.prefilled, len(prompt)))
             else:
-                r = Result(*gen(prompt, a.max_new_tokens, set(margs.stop_tokens)))
+                r = Result(*gen(prompt, opts.max_new_tokens, set(margs.stop_tokens)))
             add_result(totals, r)
             totals["seconds"] += r.seconds
             totals["decode_seconds"] += r.seconds - r.prefill_seconds
@@ -112,61 +112,61 @@ def run_mode(gen, tokenizer, margs, conversations, a, sampling, progress=True, n
     return totals
 
 
-def time_split(gen: Generator, tokenizer, margs, conversations, a, sampling) -> dict:
+def time_split(gen: Generator, tokenizer, margs, conversations, opts, sampling) -> dict:
     """Mean ms per cycle phase, measured eagerly with syncs on a few prompts."""
     lap = Lap(gen.device)
     cycles = 0
     for turns in conversations[:3]:
         prompt = encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True)
-        torch.manual_seed(a.seed)
-        r = gen.generate(prompt, min(a.max_new_tokens, 64), sampling, margs.stop_tokens, lap=lap)
+        torch.manual_seed(opts.seed)
+        r = gen.generate(prompt, min(opts.max_new_tokens, 64), sampling, margs.stop_tokens, lap=lap)
         cycles += r.cycles
     return {k: round(1000 * v / max(cycles, 1), 3) for k, v in lap.totals.items() if k != "prefill"}
 
 
-def mode_options(a, mode: str) -> dict:
+def mode_options(opts, mode: str) -> dict:
     """load_generator's keywords for one mode, from bench.py's flags: the tree flags go to eagle2, the chain
     length to sps and lookup."""
-    options = dict(device=a.device, dtype=a.dtype, compile=a.compile, draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint,
-                   sampling=check_sampling(a.temperature, a.top_k, a.top_p))  # compiled steps are built for it
+    options = dict(device=opts.device, dtype=opts.dtype, compile=opts.compile, draft_vocab=opts.draft_vocab, draft_checkpoint=opts.draft_checkpoint,
+                   sampling=check_sampling(opts.temperature, opts.top_k, opts.top_p))  # compiled steps are built for it
     if mode == "eagle2":
-        options.update(depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, lookup_slots=a.lookup_slots)
+        options.update(depth=opts.depth, topk=opts.topk, num_draft_tokens=opts.num_draft_tokens, lookup_slots=opts.lookup_slots)
     if mode in CHAINS:
-        options.update(speculate_k=a.speculate_k)
+        options.update(speculate_k=opts.speculate_k)
     return options
 
 
-def report(a, gen: Generator, conversations, modes: dict) -> dict:
-    return {"device": sizing.device_name(gen.device), "dtype": str(gen.target.tok_embeddings.weight.dtype), "compile": a.compile,
-            "temperature": a.temperature, "top_p": a.top_p, "max_new_tokens": a.max_new_tokens,
-            "prompts": str(a.prompts), "num_conversations": len(conversations), "multi_turn": a.multi_turn, "modes": modes}
+def report(opts, gen: Generator, conversations, modes: dict) -> dict:
+    return {"device": sizing.device_name(gen.device), "dtype": str(gen.target.tok_embeddings.weight.dtype), "compile": opts.compile,
+            "temperature": opts.temperature, "top_p": opts.top_p, "max_new_tokens": opts.max_new_tokens,
+            "prompts": str(opts.prompts), "num_conversations": len(conversations), "multi_turn": opts.multi_turn, "modes": modes}
 
 
-def bench(a) -> dict:
-    base, tokenizer = load_generator(a.checkpoint, a.draft, "none", **mode_options(a, "none"))
+def bench(opts) -> dict:
+    base, tokenizer = load_generator(opts.checkpoint, opts.draft, "none", **mode_options(opts, "none"))
     target, margs = base.target, base.target.args
-    asked, a.compile = a.compile, ops.choose(a.compile, target)  # resolved once: the modes and the report share it
-    conversations = load_conversations(a.prompts, a.num_prompts)
-    sampling = check_sampling(a.temperature, a.top_k, a.top_p)
+    asked, opts.compile = opts.compile, ops.choose(opts.compile, target)  # resolved once: the modes and the report share it
+    conversations = load_conversations(opts.prompts, opts.num_prompts)
+    sampling = check_sampling(opts.temperature, opts.top_k, opts.top_p)
     entries, logit_errors = [], {}  # (row name, Generator or peer runner, batch, reuse)
-    for mode in a.modes.split(","):
-        gen = base if mode == "none" else load_generator(a.checkpoint, a.draft, mode, target=target, **mode_options(a, mode))[0]
-        for batch in a.batch_sizes or [0]:
+    for mode in opts.modes.split(","):
+        gen = base if mode == "none" else load_generator(opts.checkpoint, opts.draft, mode, target=target, **mode_options(opts, mode))[0]
+        for batch in opts.batch_sizes or [0]:
             if mode == "eagle2" and batch > 1:  # each batch size its own tree (eaglet.tree_spec)
-                gen = load_generator(a.checkpoint, a.draft, mode, target=target, batch=batch, **mode_options(a, mode))[0]
+                gen = load_generator(opts.checkpoint, opts.draft, mode, target=target, batch=batch, **mode_options(opts, mode))[0]
             entries.append((f"{mode} B={batch}" if batch else mode, gen, batch, None))
-    if a.multi_turn and "none" in a.modes.split(","):  # the same turns, each prefilled from scratch: what reuse saves
+    if opts.multi_turn and "none" in opts.modes.split(","):  # the same turns, each prefilled from scratch: what reuse saves
         entries.append(("none, no reuse", base, 0, False))
-    for q in a.quantize.split(",") if a.quantize else ():
+    for q in opts.quantize.split(",") if opts.quantize else ():
         # Vanilla on a weight-only quantised copy of the target, in the same run as the float rows.
-        qtarget = quant.quantize_model(copy.deepcopy(target), q, a.groupsize if q == "int4" else 0)
+        qtarget = quant.quantize_model(copy.deepcopy(target), q, opts.groupsize if q == "int4" else 0)
         entries.append((f"none {q}", Generator(qtarget, compile=ops.choose(asked, qtarget)), 0, None))
         logit_errors[f"none {q}"] = logit_error(target, qtarget, tokenizer, margs, conversations)
-    runners = peers.peer_runners(a.checkpoint or default_checkpoint(), a.peers.split(","), target.tok_embeddings.weight.dtype,
-                                 longest_context(tokenizer, margs, conversations, a) + 64) if a.peers else {}
+    runners = peers.peer_runners(opts.checkpoint or default_checkpoint(), opts.peers.split(","), target.tok_embeddings.weight.dtype,
+                                 longest_context(tokenizer, margs, conversations, opts) + 64) if opts.peers else {}
     entries += [(name, run, 0, None) for name, run in runners.items()]
-    results, outputs = timed_rows(entries, tokenizer, margs, conversations, a, sampling,
-                                  partial=lambda results: _partial(a, base, conversations, results))
+    results, outputs = timed_rows(entries, tokenizer, margs, conversations, opts, sampling,
+                                  partial=lambda results: _partial(opts, base, conversations, results))
     for name, error in logit_errors.items():
         results[name]["logit_error"] = error
     for name, row in results.items():  # against vanilla at the same batch size
@@ -175,15 +175,15 @@ def bench(a) -> dict:
             row["speedup"] = round(row["tokens_per_s"] / results[base_name]["tokens_per_s"], 3)
             if "cycle_ms" in row and "cycle_ms" in results[base_name]:  # a cycle's cost in decode steps
                 row["cycle_over_step"] = round(row["cycle_ms"] / results[base_name]["cycle_ms"], 3)
-            if name != base_name and a.temperature == 0:
+            if name != base_name and opts.temperature == 0:
                 row["greedy_agreement"] = greedy_agreement(outputs[base_name], outputs[name])
-    return report(a, base, conversations, results)
+    return report(opts, base, conversations, results)
 
 
-def _partial(a, gen, conversations, results):
+def _partial(opts, gen, conversations, results):
     """Rows so far, to --json-out with "partial": a long run that is stopped keeps what it measured."""
-    if a.json_out:
-        atomic.write_text(a.json_out, json.dumps(report(a, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
+    if opts.json_out:
+        atomic.write_text(opts.json_out, json.dumps(report(opts, gen, conversations, results) | {"partial": True}, indent=2) + "\n")
 
 
 @torch.inference_mode()
@@ -219,12 +219,12 @@ def greedy_agreement(reference: list, outputs: list) -> dict:
     return {"identical_share": round(sum(d is None for d in first) / max(len(first), 1), 4), "first_divergence": first}
 
 
-def longest_context(tokenizer, margs, conversations, a) -> int:
+def longest_context(tokenizer, margs, conversations, opts) -> int:
     """Tokens the longest conversation can reach: whole turns plus max_new_tokens per answer."""
     def length(turns):
-        turns = turns if a.multi_turn else turns[:1]
+        turns = turns if opts.multi_turn else turns[:1]
         messages = [{"role": "user", "content": t} for t in turns]
-        return len(encode_prompt(tokenizer, margs, messages, chat=True)) + (a.max_new_tokens + 16) * len(turns)
+        return len(encode_prompt(tokenizer, margs, messages, chat=True)) + (opts.max_new_tokens + 16) * len(turns)
 
     return max(map(length, conversations))
 
@@ -237,7 +237,7 @@ def prefill_per_turn(prefill: list) -> dict:
             "prefilled_tokens_per_turn": [round(mean(2, t), 1) for t in turns], "prompt_tokens_per_turn": [round(mean(3, t), 1) for t in turns]}
 
 
-def timed_rows(entries: list, tokenizer, margs, conversations, a, sampling, partial=None) -> tuple:
+def timed_rows(entries: list, tokenizer, margs, conversations, opts, sampling, partial=None) -> tuple:
     """entries: (row name, Generator or peer runner (see run_mode), batch, reuse) -> ({name: row}, {name: every
     answer's token ids}). Each entry is warmed up (and compiled) first; then the turns go in a.rounds slices and every
     entry times each slice in turn, so a machine whose speed drifts during the run (shared cores) moves every row
@@ -245,15 +245,15 @@ def timed_rows(entries: list, tokenizer, margs, conversations, a, sampling, part
     longest = max((e[2] for e in entries), default=0)
     if longest > len(conversations):
         raise UsageError(f"--batch-sizes {longest} exceeds the {len(conversations)} conversations")
-    rounds = a.rounds
+    rounds = opts.rounds
     if rounds > len(conversations) // max(longest, 1):  # a slice smaller than a batch would run (and compile) a smaller one
         raise UsageError(f"--rounds {rounds} leaves slices of fewer than {max(longest, 1)} of the {len(conversations)} conversations")
     totals, warmup = {}, {}
     for name, gen, batch, reuse in entries:
         if isinstance(gen, Generator):  # caches sized for the longest conversation first: one that grew mid-run would recompile inside the timing
-            gen.reserve(longest_context(tokenizer, margs, conversations, a))
+            gen.reserve(longest_context(tokenizer, margs, conversations, opts))
         t0 = time.perf_counter()
-        run_mode(gen, tokenizer, margs, conversations[:max(1, batch)], a, sampling, progress=False, reuse=_reuse(a, reuse), batch=batch)
+        run_mode(gen, tokenizer, margs, conversations[:max(1, batch)], opts, sampling, progress=False, reuse=_reuse(opts, reuse), batch=batch)
         warmup[name] = time.perf_counter() - t0
     bounds = [round(i * len(conversations) / rounds) for i in range(rounds + 1)]
     results, peak = {}, {}
@@ -262,19 +262,19 @@ def timed_rows(entries: list, tokenizer, margs, conversations, a, sampling, part
             device = gen.device if isinstance(gen, Generator) else torch.device("cpu")
             if device.type == "cuda":
                 torch.cuda.reset_peak_memory_stats()
-            tot = run_mode(gen, tokenizer, margs, conversations[bounds[r]:bounds[r + 1]], a, sampling, progress=rounds == 1, name=name,
-                           reuse=_reuse(a, reuse), batch=batch)
+            tot = run_mode(gen, tokenizer, margs, conversations[bounds[r]:bounds[r + 1]], opts, sampling, progress=rounds == 1, name=name,
+                           reuse=_reuse(opts, reuse), batch=batch)
             totals[name] = merge_totals(totals.get(name), tot)
             peak[name] = max(peak.get(name, 0.0), peak_memory_mb(device))
-            results[name] = _row(name, gen, batch, _reuse(a, reuse), totals[name], warmup[name], peak[name], tokenizer, margs, conversations, a,
+            results[name] = _row(name, gen, batch, _reuse(opts, reuse), totals[name], warmup[name], peak[name], tokenizer, margs, conversations, opts,
                                  sampling, split=r == rounds - 1)
             if partial:  # a long run that is stopped keeps what it measured
                 partial(results)
     return results, {name: totals[name]["outputs"] for name in totals}
 
 
-def _reuse(a, reuse) -> bool:
-    return a.multi_turn if reuse is None else reuse
+def _reuse(opts, reuse) -> bool:
+    return opts.multi_turn if reuse is None else reuse
 
 
 def merge_totals(acc, tot: dict) -> dict:
@@ -285,7 +285,7 @@ def merge_totals(acc, tot: dict) -> dict:
     return {k: (acc[k] + tot[k]) if k != "hist" else hist for k in acc}
 
 
-def _row(name, gen, batch, reuse, tot, warmup, peak, tokenizer, margs, conversations, a, sampling, split) -> dict:
+def _row(name, gen, batch, reuse, tot, warmup, peak, tokenizer, margs, conversations, opts, sampling, split) -> dict:
     ours = isinstance(gen, Generator)
     row = {"mode": name, "tokens_per_s": round(tot["new_tokens"] / tot["seconds"], 2), "new_tokens": tot["new_tokens"],
            "seconds": round(tot["seconds"], 3), "turns": tot["turns"], "warmup_s": round(warmup, 2), "peak_memory_mb": round(peak, 1)}
@@ -300,69 +300,69 @@ def _row(name, gen, batch, reuse, tot, warmup, peak, tokenizer, margs, conversat
     row["cycle_ms"] = round(1000 * tot["decode_seconds"] / max(steps, 1), 3)
     if gen.spec:
         row.update(spec=gen.spec.__dict__, **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
-        if a.split and split and not batch:
-            row["split_ms"] = time_split(gen, tokenizer, margs, conversations, a, sampling)
+        if opts.split and split and not batch:
+            row["split_ms"] = time_split(gen, tokenizer, margs, conversations, opts, sampling)
     return row
 
 
-def sweep(a) -> dict:
+def sweep(opts) -> dict:
     """eagle2 over the --sweep best trees by the cost model (sizing.py), measured on the same prompts; the
     fastest is recorded as this device's default."""
-    base, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", **mode_options(a, "eagle2"))
+    base, tokenizer = load_generator(opts.checkpoint, opts.draft, "eagle2", **mode_options(opts, "eagle2"))
     target, head, margs = base.target, base.head, base.target.args
-    a.compile = ops.choose(a.compile, target)
+    opts.compile = ops.choose(opts.compile, target)
     costs = sizing.device_costs(target, head, log=lambda s: print(s, file=sys.stderr),
-                                compile_fn=sizing_compile(target, head, a.compile) if a.compile else None)
-    sampled = a.temperature > 0  # its own tree: sampling accepts less deep in a tree
-    options = sizing.ranked_trees(costs, a.num_draft_tokens, a.depth, a.topk, lookup=a.lookup_slots, sampling=sampled)[: a.sweep]
-    conversations = load_conversations(a.prompts, a.num_prompts)
-    sampling = check_sampling(a.temperature, a.top_k, a.top_p)
-    entries = [("none", Generator(target, compile=a.compile), 0, None)]
+                                compile_fn=sizing_compile(target, head, opts.compile) if opts.compile else None)
+    sampled = opts.temperature > 0  # its own tree: sampling accepts less deep in a tree
+    options = sizing.ranked_trees(costs, opts.num_draft_tokens, opts.depth, opts.topk, lookup=opts.lookup_slots, sampling=sampled)[: opts.sweep]
+    conversations = load_conversations(opts.prompts, opts.num_prompts)
+    sampling = check_sampling(opts.temperature, opts.top_k, opts.top_p)
+    entries = [("none", Generator(target, compile=opts.compile), 0, None)]
     for m, depth, k in options:
-        spec = TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=sizing.lookup_slots(depth, a.lookup_slots))
-        entries.append((f"eagle2 {m} {depth} {k}", Generator(target, spec, head, compile=a.compile), 0, None))
-    rows = list(timed_rows(entries, tokenizer, margs, conversations, a, sampling)[0].values())
+        spec = TreeSpec("eagle2", depth=depth, topk=k, num_draft_tokens=m, lookup_slots=sizing.lookup_slots(depth, opts.lookup_slots))
+        entries.append((f"eagle2 {m} {depth} {k}", Generator(target, spec, head, compile=opts.compile), 0, None))
+    rows = list(timed_rows(entries, tokenizer, margs, conversations, opts, sampling)[0].values())
     for row, (m, depth, k) in zip(rows[1:], options):
-        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k, sizing.rank_accept(sampled)) / sizing.cycle_cost(costs, m, depth, k, a.lookup_slots, sampling=sampled), 3)
+        row["predicted_speedup"] = round(sizing.expected_tau(m, depth, k, sizing.rank_accept(sampled)) / sizing.cycle_cost(costs, m, depth, k, opts.lookup_slots, sampling=sampled), 3)
     best = max(rows[1:], key=lambda r: r["tokens_per_s"])
-    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), a.compile, sampled)
+    sizing.record_sweep(target, head, tuple(best["spec"][x] for x in ("num_draft_tokens", "depth", "topk")), opts.compile, sampled)
     for row in rows:
         row["speedup"] = round(row["tokens_per_s"] / rows[0]["tokens_per_s"], 3)
     modes = {"none": rows[0]} | {_shape(r["spec"]): r for r in rows[1:]}
-    return report(a, base, conversations, modes) | {"costs": costs, "best": best["spec"]}
+    return report(opts, base, conversations, modes) | {"costs": costs, "best": best["spec"]}
 
 
 @torch.inference_mode()
-def shape_bench(a) -> dict:
+def shape_bench(opts) -> dict:
     """Random weights of a named shape, a 512-token random prompt (gpt-fast's anchor position): the decode
     step, one eagle2 cycle (its acceptance is meaningless, its time is not), their ratio, and the tokens/s
     a head with τ = --assume-tau would give at that cycle time; plus the verify costs r(T) sizing.py uses."""
-    device = torch.device(a.device or dtypes.default_device())
-    dtype = getattr(torch, a.dtype) if a.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
-    args = SHAPES[a.random_shape]
-    torch.manual_seed(a.seed)
+    device = torch.device(opts.device or dtypes.default_device())
+    dtype = getattr(torch, opts.dtype) if opts.dtype else dtypes.default_dtype(device, log=lambda s: print(s, file=sys.stderr))
+    args = SHAPES[opts.random_shape]
+    torch.manual_seed(opts.seed)
     with torch.device(device):
         target = Transformer(args).to(dtype).eval()
         head = EagleHead(replace(args, n_layer=1)).to(dtype).eval()
-    if a.quantize:
-        quant.quantize_model(target, a.quantize, a.groupsize if a.quantize == "int4" else 0)
-    a.compile = ops.choose(a.compile, target)
-    prompt = torch.randint(0, args.vocab_size, (512,), generator=torch.Generator().manual_seed(a.seed)).tolist()
-    spec = TreeSpec("eagle2", depth=a.depth or 6, topk=a.topk or 10, num_draft_tokens=a.num_draft_tokens or 60)
+    if opts.quantize:
+        quant.quantize_model(target, opts.quantize, opts.groupsize if opts.quantize == "int4" else 0)
+    opts.compile = ops.choose(opts.compile, target)
+    prompt = torch.randint(0, args.vocab_size, (512,), generator=torch.Generator().manual_seed(opts.seed)).tolist()
+    spec = TreeSpec("eagle2", depth=opts.depth or 6, topk=opts.topk or 10, num_draft_tokens=opts.num_draft_tokens or 60)
     rows = {}
-    for mode, gen in (("none", Generator(target, compile=a.compile)), ("eagle2", Generator(target, spec, head, compile=a.compile))):
+    for mode, gen in (("none", Generator(target, compile=opts.compile)), ("eagle2", Generator(target, spec, head, compile=opts.compile))):
         t0 = time.perf_counter()
-        gen.generate(prompt, a.max_new_tokens)  # warm-up and compile
+        gen.generate(prompt, opts.max_new_tokens)  # warm-up and compile
         warmup = time.perf_counter() - t0
-        r = gen.generate(prompt, a.max_new_tokens)
+        r = gen.generate(prompt, opts.max_new_tokens)
         per_step = r.seconds / (r.cycles if mode == "eagle2" else len(r.token_ids))
         rows[mode] = {"mode": mode, "tokens_per_s": round(len(r.token_ids) / r.seconds, 2), "step_ms": round(1000 * per_step, 3),
                       "warmup_s": round(warmup, 2)}
     cycle_ratio = rows["eagle2"]["step_ms"] / rows["none"]["step_ms"]
     rows["eagle2"] |= {"spec": spec.__dict__, "cycle_over_decode_step": round(cycle_ratio, 3),
-                       "implied_tokens_per_s": round(a.assume_tau * 1000 / rows["eagle2"]["step_ms"], 1)}
-    return {"device": sizing.device_name(device), "dtype": str(dtype), "compile": a.compile, "shape": a.random_shape,
-            "quantize": a.quantize, "assume_tau": a.assume_tau, "max_new_tokens": a.max_new_tokens,
+                       "implied_tokens_per_s": round(opts.assume_tau * 1000 / rows["eagle2"]["step_ms"], 1)}
+    return {"device": sizing.device_name(device), "dtype": str(dtype), "compile": opts.compile, "shape": opts.random_shape,
+            "quantize": opts.quantize, "assume_tau": opts.assume_tau, "max_new_tokens": opts.max_new_tokens,
             "costs": sizing.measure_costs(target, head), "modes": rows}
 
 
@@ -402,8 +402,8 @@ def print_table(report: dict):
                     zip(r["prefill_ms_per_turn"], r["prefilled_tokens_per_turn"], r["prompt_tokens_per_turn"]))))
 
 
-def parse_batch_sizes(a) -> list:
-    text = a.batch_sizes if a.batch_size is None else str(a.batch_size)
+def parse_batch_sizes(opts) -> list:
+    text = opts.batch_sizes if opts.batch_size is None else str(opts.batch_size)
     try:
         sizes = [int(x) for x in text.split(",")] if text else []
     except ValueError:
@@ -455,42 +455,42 @@ def main(argv=None) -> int:
                    "slice in turn, so drift in the machine's speed moves every row alike (R = the turns: turn by turn)")
     p.add_argument("--json-out", type=Path, default=None)
     try:
-        a = p.parse_args(argv)
-        a.lookup_slots = sizing.asked_lookup_slots(a.lookup_slots, a.temperature > 0)  # every tree of the run, --sweep's too
-        if not a.random_shape and not a.prompts.exists():
-            raise UsageError(f"prompts file {a.prompts} does not exist")
-        if not a.random_shape:
-            load_conversations(a.prompts)  # a file it cannot use refused before anything loads
-        if a.sweep < 0:
-            raise UsageError(f"--sweep must be >= 0, got {a.sweep}")
-        if a.rounds < 1:
-            raise UsageError(f"--rounds must be >= 1, got {a.rounds}")
-        if a.num_prompts is not None and a.num_prompts < 1:
-            raise UsageError(f"--num-prompts must be >= 1, got {a.num_prompts}")
-        for mode in a.modes.split(","):  # the same checks as generate.py, before anything loads
-            check_options(mode, **{k: v for k, v in mode_options(a, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "lookup_slots")},
+        opts = p.parse_args(argv)
+        opts.lookup_slots = sizing.asked_lookup_slots(opts.lookup_slots, opts.temperature > 0)  # every tree of the run, --sweep's too
+        if not opts.random_shape and not opts.prompts.exists():
+            raise UsageError(f"prompts file {opts.prompts} does not exist")
+        if not opts.random_shape:
+            load_conversations(opts.prompts)  # a file it cannot use refused before anything loads
+        if opts.sweep < 0:
+            raise UsageError(f"--sweep must be >= 0, got {opts.sweep}")
+        if opts.rounds < 1:
+            raise UsageError(f"--rounds must be >= 1, got {opts.rounds}")
+        if opts.num_prompts is not None and opts.num_prompts < 1:
+            raise UsageError(f"--num-prompts must be >= 1, got {opts.num_prompts}")
+        for mode in opts.modes.split(","):  # the same checks as generate.py, before anything loads
+            check_options(mode, **{k: v for k, v in mode_options(opts, mode).items() if k in ("depth", "topk", "num_draft_tokens", "speculate_k", "draft_vocab", "lookup_slots")},
                           option="--modes")
-        check_sampling(a.temperature, a.top_k, a.top_p)
-        if a.max_new_tokens < 1:
-            raise UsageError(f"--max-new-tokens must be >= 1, got {a.max_new_tokens}")
-        for flag, value, known in (("--quantize", a.quantize, quant.MODES), ("--peers", a.peers, peers.PEERS)):
+        check_sampling(opts.temperature, opts.top_k, opts.top_p)
+        if opts.max_new_tokens < 1:
+            raise UsageError(f"--max-new-tokens must be >= 1, got {opts.max_new_tokens}")
+        for flag, value, known in (("--quantize", opts.quantize, quant.MODES), ("--peers", opts.peers, peers.PEERS)):
             unknown = set((value or "").split(",")) - set(known) if value is not None else set()
             if unknown:
                 raise UsageError(f"unknown {flag} {', '.join(sorted(unknown))}; choose from {', '.join(known)}")
-        a.batch_sizes = parse_batch_sizes(a)
-        if a.batch_sizes and (a.multi_turn or a.sweep or a.random_shape or a.peers or a.quantize):
+        opts.batch_sizes = parse_batch_sizes(opts)
+        if opts.batch_sizes and (opts.multi_turn or opts.sweep or opts.random_shape or opts.peers or opts.quantize):
             raise UsageError("--batch-sizes times first turns of our modes; not with --multi-turn, --sweep, --random-shape, --peers or --quantize")
-        if a.random_shape and a.quantize and "," in a.quantize:
+        if opts.random_shape and opts.quantize and "," in opts.quantize:
             raise UsageError("--random-shape takes one --quantize mode")
-        result = shape_bench(a) if a.random_shape else sweep(a) if a.sweep else bench(a)
+        result = shape_bench(opts) if opts.random_shape else sweep(opts) if opts.sweep else bench(opts)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    (print_shape_table if a.random_shape else print_table)(result)
-    if a.sweep:
+    (print_shape_table if opts.random_shape else print_table)(result)
+    if opts.sweep:
         print(f"best for {result['device']}: {_shape(result['best'])} (recorded in {cachedir.root() / sizing.CACHE})")
-    if a.json_out:
-        atomic.write_text(a.json_out, json.dumps(result, indent=2) + "\n")
+    if opts.json_out:
+        atomic.write_text(opts.json_out, json.dumps(result, indent=2) + "\n")
     return 0
 
 

@@ -136,24 +136,24 @@ def build_parser():
 
 def main(argv=None) -> int:
     try:
-        a = build_parser().parse_args(argv)
-        if a.bins < 1:
-            raise UsageError(f"--bins must be >= 1, got {a.bins}")
-        if not a.prompts.exists():
-            raise UsageError(f"prompts file {a.prompts} does not exist")
-        gen, tokenizer = load_generator(a.checkpoint, a.draft, "eagle2", device=a.device, dtype=a.dtype, depth=a.depth, topk=a.topk,
-                                        num_draft_tokens=a.num_draft_tokens, lookup_slots=0)  # the chain has no draft confidence
+        opts = build_parser().parse_args(argv)
+        if opts.bins < 1:
+            raise UsageError(f"--bins must be >= 1, got {opts.bins}")
+        if not opts.prompts.exists():
+            raise UsageError(f"prompts file {opts.prompts} does not exist")
+        gen, tokenizer = load_generator(opts.checkpoint, opts.draft, "eagle2", device=opts.device, dtype=opts.dtype, depth=opts.depth, topk=opts.topk,
+                                        num_draft_tokens=opts.num_draft_tokens, lookup_slots=0)  # the chain has no draft confidence
         margs = gen.target.args
         from tqdm import tqdm
 
-        conversations = load_conversations(a.prompts, a.num_prompts)
+        conversations = load_conversations(opts.prompts, opts.num_prompts)
         prompts = [encode_prompt(tokenizer, margs, [{"role": "user", "content": turns[0]}], chat=True) for turns in conversations]
-        calibration = calibrate(gen, tqdm(prompts, file=sys.stderr, leave=False), a.max_new_tokens, a.bins, margs.stop_tokens)
-        report = {"checkpoint": str(a.checkpoint or "default"), "draft": str(a.draft or "default"), "prompts": str(a.prompts),
-                  "num_prompts": len(prompts), "max_new_tokens": a.max_new_tokens, "spec": gen.spec.__dict__, **calibration.acceptance, **calibration.report()}
+        calibration = calibrate(gen, tqdm(prompts, file=sys.stderr, leave=False), opts.max_new_tokens, opts.bins, margs.stop_tokens)
+        report = {"checkpoint": str(opts.checkpoint or "default"), "draft": str(opts.draft or "default"), "prompts": str(opts.prompts),
+                  "num_prompts": len(prompts), "max_new_tokens": opts.max_new_tokens, "spec": gen.spec.__dict__, **calibration.acceptance, **calibration.report()}
         print_table(report)
-        atomic.write_text(a.json, json.dumps(report, indent=2) + "\n")
-        plot(report, a.out, f"{Path(report['checkpoint']).name}, T=0: {report['overall']['tested']} tested drafts")
+        atomic.write_text(opts.json, json.dumps(report, indent=2) + "\n")
+        plot(report, opts.out, f"{Path(report['checkpoint']).name}, T=0: {report['overall']['tested']} tested drafts")
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -41,29 +41,29 @@ def main():
     p.add_argument("--no-compile", dest="compile", action="store_false")
     p.add_argument("--states", action="store_true", help="the sampler keeps every position's states, as the data job does")
     p.add_argument("--features", action="store_true", help="also time distill.featurize on 48 conversations of 150-400 tokens")
-    a = p.parse_args()
-    torch.set_num_threads(a.threads)
+    opts = p.parse_args()
+    torch.set_num_threads(opts.threads)
     ck = default_checkpoint()
-    target, tok = load_model(ck, "cpu", getattr(torch, a.dtype)), load_tokenizer(ck)
+    target, tok = load_model(ck, "cpu", getattr(torch, opts.dtype)), load_tokenizer(ck)
     def sample(*args):
-        with distill.tapped(target) if a.states else contextlib.nullcontext():
-            rows = distill.sample_batch(*args, batch=a.batch, compile=a.compile, **({"states": True} if a.states else {}))
-        return [r[0] for r in rows] if a.states else rows
+        with distill.tapped(target) if opts.states else contextlib.nullcontext():
+            rows = distill.sample_batch(*args, batch=opts.batch, compile=opts.compile, **({"states": True} if opts.states else {}))
+        return [r[0] for r in rows] if opts.states else rows
 
-    seeds, name = distill.SEEDS, "distill.sample_batch" + (" (compiled)" if a.compile else "")
+    seeds, name = distill.SEEDS, "distill.sample_batch" + (" (compiled)" if opts.compile else "")
     prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": s + " the sea"}], True)
-               for s in (seeds * (a.batch // len(seeds) + 1))[: a.batch]]
-    temperature = torch.tensor([0.0, 0.8] * (a.batch // 2) + [0.0] * (a.batch % 2))
+               for s in (seeds * (opts.batch // len(seeds) + 1))[: opts.batch]]
+    temperature = torch.tensor([0.0, 0.8] * (opts.batch // 2) + [0.0] * (opts.batch % 2))
     torch.manual_seed(0)
-    for i in range(a.runs):  # the first run includes compilation
-        timed(f"{name} {a.dtype} B={a.batch} new={a.new_tokens} threads {a.threads} run {i}",
-              lambda: sample(target, prompts, a.new_tokens, temperature, 0.95, []), lambda rows: sum(map(len, rows)))
-    if a.features:
+    for i in range(opts.runs):  # the first run includes compilation
+        timed(f"{name} {opts.dtype} B={opts.batch} new={opts.new_tokens} threads {opts.threads} run {i}",
+              lambda: sample(target, prompts, opts.new_tokens, temperature, 0.95, []), lambda rows: sum(map(len, rows)))
+    if opts.features:
         g = torch.Generator().manual_seed(0)
         convs = [{"id": i, "prompt_len": 60, "tokens": torch.randint(0, target.args.vocab_size, (int(n),), generator=g).tolist()}
                  for i, n in enumerate(torch.randint(150, 400, (48,), generator=g))]
         for i in range(2):
-            timed(f"distill.featurize {a.dtype} threads {a.threads} run {i}", lambda: distill.featurize(target, convs, 16384),
+            timed(f"distill.featurize {opts.dtype} threads {opts.threads} run {i}", lambda: distill.featurize(target, convs, 16384),
                   lambda states: sum(len(h) for h, _ in states.values()))
 
 

@@ -55,42 +55,42 @@ def main():
     p.add_argument("--reps", type=int, default=20)
     p.add_argument("--trials", type=int, default=15, help="timings of --reps calls each; the fastest counts")
     p.add_argument("--noise-only", action="store_true", help="skip the verify draw's timings")
-    a = p.parse_args()
+    opts = p.parse_args()
     global TRIALS
-    TRIALS = a.trials
-    if a.threads:
-        torch.set_num_threads(a.threads)
+    TRIALS = opts.trials
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     kernels.build()  # the fp32 argmax kernel, where this CPU runs it
-    print(f"threads {torch.get_num_threads()}, vocab {a.vocab}, CPU kernels {kernels.BUILT}")
+    print(f"threads {torch.get_num_threads()}, vocab {opts.vocab}, CPU kernels {kernels.BUILT}")
     kinds = {"float32": gumbel32, "float64": sampling.gumbel}
     print("noise [depth+1, V], ms:       " + "".join(f"{f'd{d}':>9}" for d in range(2, 7)))
     for name, fn in kinds.items():
-        row = [ms(lambda: fn((d + 1, a.vocab), "cpu"), a.reps) for d in range(2, 7)]
+        row = [ms(lambda: fn((d + 1, opts.vocab), "cpu"), opts.reps) for d in range(2, 7)]
         print(f"  eager {name:<22}" + "".join(f"{t:9.3f}" for t in row))
-        if a.compile:
-            compiled = {d: torch.compile(own(lambda d=d: fn((d + 1, a.vocab), "cpu")), fullgraph=True, dynamic=False) for d in range(2, 7)}
-            row = [ms(compiled[d], a.reps) for d in range(2, 7)]
+        if opts.compile:
+            compiled = {d: torch.compile(own(lambda d=d: fn((d + 1, opts.vocab), "cpu")), fullgraph=True, dynamic=False) for d in range(2, 7)}
+            row = [ms(compiled[d], opts.reps) for d in range(2, 7)]
             print(f"  compiled {name:<19}" + "".join(f"{t:9.3f}" for t in row))
-    if a.noise_only:
+    if opts.noise_only:
         return
     # the verify's draw: m+1 rows at depth 6, each row's noise row by its depth
     print("verify draw argmax(l/T + noise[depths]), ms:" + "".join(f"{f'm{m}':>9}" for m in (8, 16, 60)))
     for name, fn in kinds.items():
         row = []
         for m in (8, 16, 60):
-            logits = torch.randn(m + 1, a.vocab) * 3
+            logits = torch.randn(m + 1, opts.vocab) * 3
             depths = torch.arange(m + 1) % 7
-            noise = fn((7, a.vocab), "cpu")
-            row.append(ms(lambda: sampling.draw(logits, 1.0, noise=noise[depths]), a.reps))
+            noise = fn((7, opts.vocab), "cpu")
+            row.append(ms(lambda: sampling.draw(logits, 1.0, noise=noise[depths]), opts.reps))
         print(f"  eager {name:<38}" + "".join(f"{t:9.3f}" for t in row))
-        if a.compile:
+        if opts.compile:
             row = []
             for m in (8, 16, 60):
-                logits = torch.randn(m + 1, a.vocab) * 3
+                logits = torch.randn(m + 1, opts.vocab) * 3
                 depths = torch.arange(m + 1) % 7
-                step = torch.compile(own(lambda logits, depths: sampling.draw(logits, 1.0, noise=fn((7, a.vocab), "cpu")[depths])),
+                step = torch.compile(own(lambda logits, depths: sampling.draw(logits, 1.0, noise=fn((7, opts.vocab), "cpu")[depths])),
                                      fullgraph=True, dynamic=False)
-                row.append(ms(lambda: step(logits, depths), a.reps))
+                row.append(ms(lambda: step(logits, depths), opts.reps))
             print(f"  compiled, noise drawn in the graph, {name:<9}" + "".join(f"{t:9.3f}" for t in row))
 
 

@@ -99,8 +99,7 @@ NUCLEUS_CANDIDATES = 256  # where nucleus() looks for the top-p nucleus: this ma
 
 def nucleus(logits: Tensor, temperature: Tensor, top_p: float) -> tuple:
     """The top-p nucleus sought among the NUCLEUS_CANDIDATES most likely tokens of each row: a top-k of the logits
-    instead of a sort of the vocabulary (64 x 49152 on one thread: 15 ms a draw against 85 for a 31-step bisection
-    over the whole vocabulary). Exact unless a nucleus holds more tokens than that (a flat distribution); then its
+    instead of a sort of the vocabulary or a bisection over all of it (several times dearer). Exact unless a nucleus holds more tokens than that (a flat distribution); then its
     tail past them is cut, a negligible change for training data. -> (probabilities [B, K] over the whole vocabulary,
     zero outside the nucleus; their token ids [B, K])."""
     scaled = logits.float() / temperature.clamp(min=1e-5)[:, None]
@@ -469,8 +468,8 @@ def build(cfg: DataConfig, target: Transformer, tokenizer, deadline: float, roun
     except BlockingIOError:
         lock.close()
         raise UsageError(f"{cfg.data} is being written by another process") from None
-    # Packed weights (the rows kernel in bf16): B=64 rows, 256 new tokens each, on one thread of an AMX Xeon 524
-    # against 359 tokens/s; the target stays usable for training, which reads its weights only.
+    # Packed weights (the rows kernel in bf16) sample faster (docs/training.md); the target stays usable for training,
+    # which reads its weights only.
     linears.pack_linears(target)
     with lock:
         return _build(cfg, target, tokenizer, deadline, round_convs)

@@ -110,30 +110,30 @@ def main() -> int:
     p.add_argument("--sampled", action="store_true", help="sampled answers (T=1): the draw in the head's k most probable "
                    "tokens against its k best coupled guesses (sampled_agreement)")
     try:
-        a = p.parse_args()
-        torch.set_num_threads(a.threads)
+        opts = p.parse_args()
+        torch.set_num_threads(opts.threads)
         checkpoint = default_checkpoint()
         target, tok = load_model(checkpoint, "cpu", torch.float32), load_tokenizer(checkpoint)
-        heads = load_heads(a.heads, target)
+        heads = load_heads(opts.heads, target)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=a.num_prompts)]
+    prompts = [encode_prompt(tok, target.args, [{"role": "user", "content": c[0]}], True) for c in load_conversations(limit=opts.num_prompts)]
     torch.manual_seed(0)
-    temperature = torch.full((len(prompts),), float(a.sampled))
-    rows = sample_batch(target, prompts, a.max_new_tokens, temperature, 1.0, target.args.stop_tokens, batch=16, states=True)
+    temperature = torch.full((len(prompts),), float(opts.sampled))
+    rows = sample_batch(target, prompts, opts.max_new_tokens, temperature, 1.0, target.args.stop_tokens, batch=16, states=True)
     answers = [(torch.tensor(p + new), len(p), hidden, fused) for p, (new, hidden, fused) in zip(prompts, rows)]
-    kind = "sampled (T=1)" if a.sampled else "greedy"
-    print(f"{a.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} {kind} answer tokens, fp32 target")
+    kind = "sampled (T=1)" if opts.sampled else "greedy"
+    print(f"{opts.num_prompts} MT-bench first turns, {sum(len(r[0]) for r in rows)} {kind} answer tokens, fp32 target")
     for spec, head in heads.items():
-        head.setup_caches(a.max_new_tokens + max(map(len, prompts)) + a.steps)
+        head.setup_caches(opts.max_new_tokens + max(map(len, prompts)) + opts.steps)
         for layer in head.layers:
             layer.attention.kv_cache = None  # unrolled_steps attends within the answer, as training does
-        if a.sampled:
-            r = sampled_agreement(head, target, answers, a.steps)
+        if opts.sampled:
+            r = sampled_agreement(head, target, answers, opts.steps)
             print(f"{spec}: " + "  ".join(f"{name} {' '.join(f'{x:.3f}' for x in v)}" for name, v in r.items()), flush=True)
             continue
-        r = agreement(head, target, answers, a.steps)
+        r = agreement(head, target, answers, opts.steps)
         print(f"{spec}: outside vocab {r['outside_vocab']:.3f}  top1 {' '.join(f'{x:.3f}' for x in r['top1'])}  "
               f"top10 {' '.join(f'{x:.3f}' for x in r['top10'])}", flush=True)
     return 0
