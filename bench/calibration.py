@@ -129,7 +129,7 @@ def build_parser():
     p.add_argument("--bins", type=int, default=20, help="equal confidence bins (20: the paper's 0.05 wide)")
     p.add_argument("--device", default=None)
     p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--out", type=Path, default=Path("calibration.png"))
+    p.add_argument("--out", type=Path, default=Path("docs/calibration.png"))
     p.add_argument("--json", type=Path, default=Path("calibration.json"))
     return p
 
