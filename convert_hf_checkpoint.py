@@ -412,7 +412,7 @@ def download(repo_id: str) -> Path:
 
 # ---------------------------------------------------------------- CLI
 
-def main(argv=None) -> int:
+def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(description="Convert an HF LLaMA checkpoint, a GGUF file or an official EAGLE-1/2/3 head.")
     source = parser.add_mutually_exclusive_group(required=True)
     source.add_argument("--checkpoint-dir", type=Path, help="HF directory: config.json, weights, tokenizer")
@@ -421,6 +421,11 @@ def main(argv=None) -> int:
     parser.add_argument("--eagle", action="store_true", help="the source is an official EAGLE-1/2 or EAGLE-3 draft head")
     parser.add_argument("--target", type=Path, help="with --eagle: our converted target, which the head must fit")
     parser.add_argument("--out", type=Path, required=True, help="output directory")
+    return parser
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
     opts = parser.parse_args(argv)
     if opts.target and not opts.eagle:
         parser.error("--target goes with --eagle")

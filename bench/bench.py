@@ -413,7 +413,7 @@ def parse_batch_sizes(opts) -> list:
     return sizes
 
 
-def main(argv=None) -> int:
+def build_parser() -> UsageParser:
     p = UsageParser(description="Benchmark vanilla and speculative decoding on the same prompts.")
     p.add_argument("--checkpoint", type=Path, default=None)
     p.add_argument("--draft", type=Path, default=None)
@@ -454,8 +454,12 @@ def main(argv=None) -> int:
     p.add_argument("--rounds", type=int, default=1, metavar="R", help="interleave the rows: the turns in R slices, every row timing each "
                    "slice in turn, so drift in the machine's speed moves every row alike (R = the turns: turn by turn)")
     p.add_argument("--json-out", type=Path, default=None)
+    return p
+
+
+def main(argv=None) -> int:
     try:
-        opts = p.parse_args(argv)
+        opts = build_parser().parse_args(argv)
         opts.lookup_slots = sizing.asked_lookup_slots(opts.lookup_slots, opts.temperature > 0)  # every tree of the run, --sweep's too
         if not opts.random_shape and not opts.prompts.exists():
             raise UsageError(f"prompts file {opts.prompts} does not exist")

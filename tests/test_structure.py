@@ -8,8 +8,10 @@
 # Folders: cpu/ (the CPU fast path, imported by the loading code alone: eaglet.py), bench/ and train/ (tools beside
 # the algorithm, which the root never imports).
 import ast
+import importlib
 import importlib.util
 import re
+import shlex
 import subprocess
 import sys
 from pathlib import Path
@@ -137,3 +139,30 @@ def test_readme_python_example_runs():
     r = subprocess.run([sys.executable, "-c", blocks[0]], cwd=REPO, capture_output=True, text=True, timeout=900)
     assert r.returncode == 0, r.stderr[-2000:]
     assert "Paris" in r.stdout and "mean_accept_len" in r.stdout
+
+
+def readme_commands() -> list:
+    """(script, argv) of every python or torchrun command in the README's shell blocks."""
+    commands = []
+    for block in re.findall(r"```(?:sh|bash)\n(.*?)```", (REPO / "README.md").read_text(), re.S):
+        for line in block.replace("\\\n", " ").splitlines():
+            for part in re.split(r"&&|;", line):
+                words = shlex.split(part, comments=True)
+                if words[:1] in (["python"], ["python3"]) and words[1] != "-m":
+                    commands.append((words[1], words[2:]))
+                elif words[:1] == ["torchrun"]:
+                    at = next(i for i, w in enumerate(words) if w.endswith(".py"))
+                    commands.append((words[at], words[at + 1:]))
+    return commands
+
+
+def test_every_command_the_readme_shows_names_a_script_that_takes_its_flags():
+    commands = readme_commands()
+    assert len(commands) >= 20 and any(script == "bench/bench.py" for script, _ in commands)
+    for script, argv in commands:
+        assert (REPO / script).is_file(), script
+        parser = importlib.import_module(script.removesuffix(".py").replace("/", ".")).build_parser()
+        try:
+            parser.parse_args(argv)
+        except (SystemExit, ValueError) as e:  # argparse exits; UsageParser raises UsageError (a ValueError)
+            pytest.fail(f"README: python {script} {' '.join(argv)}: {e}")
