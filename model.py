@@ -1,6 +1,8 @@
 # The LLaMA Transformer with a static KV cache.
 # forward() takes the RoPE positions, the KV slots and the attention mask apart, because a draft tree
 # needs them apart: a tree node's slot is L + node, its position is L + depth, its mask row its ancestors.
+# Plain torch throughout: a backend may replace the nn.Linear layers in place (ops.prepare; cpu/linears.py packs them
+# for its kernels) and serves attention over few queries through ops.attend.
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
