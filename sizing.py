@@ -16,6 +16,7 @@ import dtypes
 import ops
 import tp
 from checkpoint import UsageError
+from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple
 from quant import KERNEL_MAX_ROWS, QuantLinear
@@ -245,7 +246,8 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
         if tp.rank() == 0:
             how = "compiled steps" if compile_fn else "eager steps"
             log(f"sizing the draft tree for this device from its {how} (once; cached in {cachedir.root() / CACHE})")
-        entry = tp.from_rank0(measure_costs(target, head, compile_fn))
+        with ticking("sizing the draft tree", log if tp.rank() == 0 else lambda s: None):
+            entry = tp.from_rank0(measure_costs(target, head, compile_fn))
         cachedir.store(CACHE, key, entry)
     return entry
 

@@ -14,7 +14,6 @@ import os
 import subprocess
 import sys
 import time
-import types
 from dataclasses import asdict, replace
 from pathlib import Path
 
@@ -28,8 +27,9 @@ import ops
 import quant
 import tp
 from compiling import compiled
-from cpu import kernels, linears
+from cpu import linears
 from model import KVCache, ModelArgs, Transformer, causal_mask, one_line
+from progress import ticking
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -72,7 +72,8 @@ def choose(compile, target, log=print):
         log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({kernel}) on this CPU, "
             f"{weight.dtype} (once; a few minutes)")
         try:
-            entry = tp.from_rank0(measure_step(a, weight.dtype, rows_kernel=kernel != "oneDNN"))
+            with ticking("timing the decode step", log):
+                entry = tp.from_rank0(measure_step(a, weight.dtype, rows_kernel=kernel != "oneDNN"))
             entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
         except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
             entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
@@ -284,7 +285,7 @@ def precompiled(name: str, fn, args: tuple, dynamic: bool = False, log=print) ->
         log(f"compiling the {name.replace('_', ' ')} (once for this machine, model and tree; saved in {folder}) ...")
         guards = keep_shape_guards if dynamic else torch.compiler.skip_all_guards_unsafe
         # Floats stay constants: a symbolic float makes the trace restart, which a precompile cannot do.
-        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True):
+        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True), ticking(f"compiling the {name.replace('_', ' ')}", log):
             step = compiled(fn, "cpu", options={"guard_filter_fn": guards}, dynamic=dynamic).aot_compile((args, {}))
         seconds = time.perf_counter() - t0
         log(f"compiled the {name.replace('_', ' ')} in {seconds:.1f} s")

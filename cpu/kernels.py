@@ -12,6 +12,8 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from progress import ticking
+
 LANES = 16  # outputs a vector holds (fp32 accumulators)
 BUILT = False  # the eaglet:: ops are registered (build() built them)
 AMX = False  # the rows_mm ops run on AMX tiles (build() found them and Linux granted them)
@@ -52,9 +54,10 @@ def build() -> bool:
 
     for amx in ([["-mamx-tile", "-mamx-bf16", "-DEAGLET_AMX"]] if cpu_has_amx() else []) + [[]]:  # a compiler without AMX: vdpbf16ps
         try:
-            load("eaglet_rows_mm" + "_amx" * bool(amx), sources=[str(SOURCE)], is_python_module=False,
-                 extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *amx],
-                 extra_ldflags=["-fopenmp"])
+            with ticking("building the CPU kernels (once per machine)", functools.partial(print, file=sys.stderr)):
+                load("eaglet_rows_mm" + "_amx" * bool(amx), sources=[str(SOURCE)], is_python_module=False,
+                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *amx],
+                     extra_ldflags=["-fopenmp"])
             break
         except Exception as e:  # no compiler, no ninja: a slower path, not a failure
             error = e

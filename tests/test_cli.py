@@ -95,3 +95,20 @@ def test_bad_input_is_one_line_exit_2(default_dir, argv, message):
     lines = r.stderr.strip().splitlines()
     assert len(lines) == 1 and lines[0].startswith("error: ") and message in lines[0], r.stderr
     assert "Traceback" not in r.stderr
+
+
+def test_a_long_step_says_every_few_seconds_how_long_it_has_run():
+    """progress.ticking: a line per interval while the block runs, none after it ends, none for a block done sooner."""
+    import time
+
+    from progress import ticking
+
+    lines = []
+    with ticking("compiling the cycle", lines.append, every=0.05):
+        time.sleep(0.4)
+    said = len(lines)
+    time.sleep(0.2)
+    assert said >= 2 and len(lines) == said and all(line.startswith("  compiling the cycle: ") for line in lines), lines
+    with ticking("quick", lines.append, every=5.0):
+        pass
+    assert len(lines) == said

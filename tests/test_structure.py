@@ -24,7 +24,7 @@ CLIS = {"generate", "quantize", "bench.bench", "bench.calibration", "bench.disti
 LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cachedir", "prompts",
            "convert_hf_checkpoint", "terminal", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "bench", "bench.peers", "train", "train.distill",
            "train.train_draft"}  # train_draft: a CLI whose training steps head_agreement reuses
-MODELS = {"model", "draft", "weights", "quant", "ops", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
+MODELS = {"model", "draft", "weights", "quant", "ops", "progress", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
 LAYER = {name: i for i, layer in enumerate((MODELS, LIBRARY, CLIS)) for name in layer}
 CYCLE_FILES = ("model", "draft", "spectree", "sampling", "ops", "speculate", "generator", "generate")  # one cycle, generate.py down
 LOADING = {"eaglet"}  # where the CPU wing enters
