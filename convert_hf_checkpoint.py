@@ -336,7 +336,7 @@ def convert_gguf(gguf_path, out_dir) -> ModelArgs:
 
 def convert_eagle(head_dir, out_dir, target_dir=None) -> ModelArgs:
     """An official EAGLE-1/2 or EAGLE-3 head (config.json + pytorch_model.bin or model.safetensors) -> a
-    draft.load_head directory. With target_dir (our converted target) the head must fit it."""
+    weights.load_head directory. With target_dir (our converted target) the head must fit it."""
     head_dir, out_dir = Path(head_dir), Path(out_dir)
     config = read_json(head_dir / "config.json")
     raw = {k.removeprefix("model."): w for k, w in read_weights(head_dir).items() if not is_rotary_buffer(k)}

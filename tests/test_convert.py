@@ -17,7 +17,7 @@ import torch.nn.functional as F
 from safetensors.torch import load_file
 
 import convert_hf_checkpoint as convert
-import draft
+import weights
 import checkpoint
 from checkpoint import load_model
 from hf_fixtures import write_gguf, write_hf_llama, write_official_eagle_head, smollm2_gguf_path
@@ -213,7 +213,7 @@ def test_eagle_head_matches_transformers_decoder_layer(gqa_tied, tmp_path, bias,
     official = write_official_eagle_head(tmp_path / "official", hf_model, bias=bias, seed=5, layers=layers)
     convert.convert_eagle(tmp_path / "official", tmp_path / "head", target_dir=target_dir)
     target = load_model(target_dir)
-    head = draft.load_head(tmp_path / "head", target.args)
+    head = weights.load_head(tmp_path / "head", target.args)
     assert (head.fc.bias is not None) == bias and len(head.layers) == layers
 
     length = 12
@@ -241,7 +241,7 @@ def test_eagle_head_that_does_not_fit_the_target(gqa_tied, tmp_path, override, m
     assert "\n" not in str(error.value)
     convert.convert_eagle(tmp_path / "official", tmp_path / "head")  # without a target nothing is checked
     with pytest.raises(ValueError, match=message) as error:
-        draft.load_head(tmp_path / "head", load_model(target_dir).args)
+        weights.load_head(tmp_path / "head", load_model(target_dir).args)
     assert "\n" not in str(error.value)
 
 

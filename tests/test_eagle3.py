@@ -16,6 +16,7 @@ import torch.nn.functional as F
 
 import convert_hf_checkpoint as convert
 import draft
+import weights
 import generate
 from checkpoint import default_checkpoint, load_model
 from tokenizer import encode_prompt
@@ -76,7 +77,7 @@ def test_official_eagle3_head_matches_reference(hf_target, tmp_path):
     cfg = json.loads((tmp_path / "official" / "config.json").read_text())
     assert convert.main(["--checkpoint-dir", str(tmp_path / "official"), "--eagle", "--target", str(target_dir), "--out", str(tmp_path / "head")]) == 0
     target = load_model(target_dir)
-    head = draft.load_head(tmp_path / "head", target.args)
+    head = weights.load_head(tmp_path / "head", target.args)
     assert head.kind == "eagle3" and head.taps == eagle3_taps(4) == (2, 2, 1)
     saved = json.loads((tmp_path / "head" / "config.json").read_text())
     assert saved["kind"] == "eagle3" and saved["draft_vocab_size"] == 96 and saved["taps"] == [2, 2, 1]
@@ -264,7 +265,7 @@ def test_eagle3_head_taps_must_fit_the_target(hf_target, tmp_path):
     convert.convert_eagle(tmp_path / "official", tmp_path / "head", target_dir)  # taps [2, 2, 1] of 4 layers
     args = load_model(target_dir).args
     with pytest.raises(ValueError, match=r"taps \[2, 2, 1\] do not fit the target's 2 layers"):
-        draft.load_head(tmp_path / "head", dataclasses.replace(args, n_layer=2))
+        weights.load_head(tmp_path / "head", dataclasses.replace(args, n_layer=2))
     convert.convert_eagle(tmp_path / "official", tmp_path / "untapped")  # no target: the target's official layers at load
     assert "taps" not in json.loads((tmp_path / "untapped" / "config.json").read_text())
-    assert draft.load_head(tmp_path / "untapped", dataclasses.replace(args, n_layer=30)).taps == (2, 15, 27)
+    assert weights.load_head(tmp_path / "untapped", dataclasses.replace(args, n_layer=30)).taps == (2, 15, 27)
