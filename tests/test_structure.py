@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
-CLIS = {"generate", "bench", "calibration", "train_draft", "quantize"}
+CLIS = {"generate", "bench", "calibration", "train_draft", "quantize", "serve"}
 LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cache", "prompts", "distill", "peers", "convert_hf_checkpoint"}
 MODELS = {"model", "draft", "quant", "rowsmm", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
 LAYER = {name: i for i, layer in enumerate((MODELS, LIBRARY, CLIS)) for name in layer}
