@@ -294,8 +294,9 @@ class Engine:
             delta, job.sent = text[job.sent:], max(job.sent, len(text))
             job.emit({"token_ids": new, "text": delta})
             if finish:
-                job.emit({"finish_reason": finish, "usage": self.usage(job), "eaglet": self.figures(job)})
-                self.active.discard(job)
+                last = {"finish_reason": finish, "usage": self.usage(job), "eaglet": self.figures(job)}
+                self.active.discard(job)  # before the answer is out: whoever reads it sees the row free
+                job.emit(last)
             return finish is None
         except Exception as e:  # this request fails alone
             self.fail(job, e)
