@@ -204,6 +204,7 @@ class Engine:
         # Uncompiled batched steps, for a sampling rule not compiled before listening (module docstring)
         self.eager_step = (batch.batched(gen.eager_cycle) if gen.spec else batch.batched(decode_row)) if compile else None
         gen.reserve(context)  # every request's caches, allocated once: rows made now stay valid
+        gen.build(GREEDY)  # the prefill for caches of this size (packaged steps are built per cache size)
         warm_prompt = encode_prompt(tokenizer, gen.target.args, [{"role": "user", "content": "Hi"}], chat_template)
         for rule in self.warm:  # compiles each warmed rule's steps for B rows and gives every row a state
             gen.generate_batch([warm_prompt] * rows, 2, rule)
