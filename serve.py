@@ -183,8 +183,11 @@ def parse_request(req, chat: bool, engine) -> dict:
     except UsageError as e:
         message = str(e).replace("--max-new-tokens", "max_tokens").replace("--top-", "top_").replace("--", "")
         raise BadRequest(message) from None
+    seed = field_of(req, "seed", int)
+    if seed is not None and not 0 <= seed < 2 ** 63:
+        raise BadRequest(f"seed must be in [0, 2^63), got {seed}", "seed")
     return dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(args.stop_tokens) | frozenset(stop_ids),
-                stops=tuple(s for s in stop if isinstance(s, str)), seed=field_of(req, "seed", int), stream=field_of(req, "stream", bool, False))
+                stops=tuple(s for s in stop if isinstance(s, str)), seed=seed, stream=field_of(req, "stream", bool, False))
 
 
 # ---------------------------------------------------------------- the generation loop
@@ -236,13 +239,17 @@ class Engine:
                     return
                 head = self.waiting[0]
             rule = head.sampling
-            if head.seeded:
-                torch.manual_seed(head.seed)
             step = None if rule in self.warm or self.eager_step is None else self.eager_step
             try:
+                if head.seeded:
+                    torch.manual_seed(head.seed)
                 batch.run_rows(self.gen, self.rows, rule, lambda: self.take(rule, head), self.commit, step, self.counts)
             except Exception as e:  # a fault in the batched step: the requests in the rows fail, the server goes on
                 traceback.print_exc()
+                with self.cond:
+                    if head in self.waiting:  # failed before it was taken: it would be the next head again
+                        self.waiting.remove(head)
+                        self.fail(head, e)
                 for job in list(self.active):
                     self.fail(job, e)
             self.active.clear()
@@ -362,8 +369,8 @@ def make_app(engine: Engine, model_name: str):
             events, loop = asyncio.Queue(), asyncio.get_running_loop()
             job = Job(**fields, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
             engine.submit(job)
-        except BadRequest as e:
-            return error_response(400, str(e), e.param)
+        except (BadRequest, UsageError, OverflowError) as e:  # UsageError: text that is not Unicode; OverflowError: a number past float
+            return error_response(400, str(e), getattr(e, "param", None))
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name}
         if stream:

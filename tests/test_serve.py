@@ -209,6 +209,9 @@ BAD = {
     "n 2": b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
     "top_p 0": b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}',
     "a stop id outside the vocabulary": b'{"messages": [{"role": "user", "content": "hi"}], "stop": [99999]}',
+    "a lone surrogate": b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+    "a seed past 2^63": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999, "temperature": 1}',
+    "a temperature past float": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"0" * 400 + b'}',
 }
 
 
