@@ -77,58 +77,83 @@ def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set, b
     """Generator.generate_batch's loop over batch_size rows (0: one per prompt). A row whose answer is done takes the
     next waiting prompt, so the rows stay full until the prompts run out: a batch is not held to its slowest answer.
     -> ([(token ids, accept-length histogram) per prompt], seconds, prefill seconds)."""
-    B = min(batch_size or len(prompts), len(prompts))
     gen.reserve(max(map(len, prompts)) + max_new_tokens)
+    outs, hists = [[] for _ in prompts], [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
+    waiting = iter(enumerate(prompts))
+
+    def commit(i: int, new: list, accept_len) -> bool:
+        if accept_len is not None:
+            hists[i][accept_len] += 1
+        outs[i] += cut(new, max_new_tokens - len(outs[i]), stop_ids)
+        return len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_ids
+
+    sync = dtypes.synchronizer(gen.device)
+    sync()
+    t0 = time.perf_counter()
+    prefill_seconds = run_rows(gen, min(batch_size or len(prompts), len(prompts)), sampling, lambda: next(waiting, None), commit)
+    sync()
+    return list(zip(outs, hists)), time.perf_counter() - t0, prefill_seconds
+
+
+@torch.inference_mode()
+def run_rows(gen, B: int, sampling, take, commit, step=None, counts=None) -> float:
+    """B rows answering requests, each row one at a time, in one batched step per cycle; the caches must already hold
+    every request's prompt and answer (gen.reserve). take() -> (key, prompt token ids) of the next request, or None
+    when none waits; before every cycle each free row takes one. commit(key, new token ids, accept_len) -> whether that
+    answer goes on; it is called with the prefill's first token (accept_len None), then with each cycle's tokens
+    (uncut: commit cuts them at its own limits). Returns when every row is free and take() has nothing.
+    step: the batched step to run (default: the Generator's, compiled when it is); counts: a Counter whose "cycles"
+    and "shared_cycles" (cycles that ran more than one answer) grow as the rows run. -> seconds spent prefilling."""
     gen.target.taps = gen.taps
     drafter, device = gen.head if gen.head is not None else gen.draft_model, gen.device
     if gen.rows is None or not gen.rows.fits(gen.target, drafter, gen.state, B):
         gen.rows = Rows(gen.target, drafter, gen.state, B, tree=bool(gen.spec) and gen.spec.mode not in CHAINS)
+    step = step or (gen.batch_cycle if gen.spec else gen.batch_step)
     sync = dtypes.synchronizer(device)
-    outs, hists = [None] * len(prompts), [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
-    done = lambda out: len(out) >= max_new_tokens or out[-1] in stop_ids  # noqa: E731
-    waiting, answering, prefill_seconds = iter(range(len(prompts))), [None] * B, 0.0
+    keys, live, prefill_seconds = [None] * B, [False] * B, 0.0
+    where = [(0, 0)] * B  # vanilla: each row's last token and its position (a free row steps there, read by nobody)
 
     def admit(b: int) -> bool:
-        """Row b takes waiting prompts, each prefilled alone the single-sequence way, until one has an answer to go on
-        with; -> whether it found one."""
+        """Row b takes waiting requests, each prefilled alone the single-sequence way, until one has an answer to go
+        on with; -> whether it found one."""
         nonlocal prefill_seconds
-        for i in waiting:
+        while (item := take()) is not None:
             t = time.perf_counter()
-            x = torch.tensor([prompts[i]], device=device)
+            key, prompt = item
+            x = torch.tensor([prompt], device=device)
             h, feats = gen.prefill(gen.target, x, torch.tensor(0, device=device))
-            outs[i] = [int(sampling.draw(gen.target.output(h[-1])))]
+            first = int(sampling.draw(gen.target.output(h[-1])))
             if gen.spec:
-                gen._start(x, feats, torch.tensor(outs[i][0], device=device))
+                gen._start(x, feats, torch.tensor(first, device=device))
             gen.rows.save(b)
             sync()
             prefill_seconds += time.perf_counter() - t
-            if not done(outs[i]):
-                answering[b] = i
+            keys[b], where[b] = key, (first, len(prompt))
+            if commit(key, [first], None):
                 return True
-        answering[b] = None
         return False
 
-    sync()
-    t0 = time.perf_counter()
-    live = [admit(b) for b in range(B)]
-    gen.kv_streams[gen.target] = (None, [])  # the caches hold a prefill only: nothing to reuse
-    while any(live):
+    gen.kv_streams[gen.target] = (None, [])  # the caches will hold prefills only: nothing to reuse
+    while True:
+        live = [live[b] or admit(b) for b in range(B)]
+        if not any(live):
+            return prefill_seconds
+        if counts is not None:
+            counts["cycles"] += 1
+            counts["shared_cycles"] += sum(live) > 1
         live_rows = torch.tensor(live, device=device)
         if gen.spec:
-            chunks = gen.batch_cycle(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
-        else:  # a finished row (no prompt left to take) steps at prompt 0's position in its own cache, read by nobody
-            last = [answering[b] if live[b] else 0 for b in range(B)]
-            pos = torch.tensor([[len(prompts[i]) + len(outs[i]) - 1] for i in last], device=device)
-            token = torch.tensor([outs[i][-1:] for i in last], device=device)
-            chunks = gen.batch_step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
+            chunks = step(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
+        else:
+            token = torch.tensor([[t] for t, _ in where], device=device)
+            pos = torch.tensor([[p] for _, p in where], device=device)
+            chunks = step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
         for b, chunk in enumerate(chunks):
             if not live[b]:
                 continue
-            i = answering[b]
+            accept_len = None
             if gen.spec:  # [accept_len, committed tokens...] (lookup: and whether it found a match, unused here)
-                hists[i][chunk[0]] += 1
-                chunk = chunk[1:chunk[0] + 2]
-            outs[i] += cut(chunk, max_new_tokens - len(outs[i]), stop_ids)
-            live[b] = not done(outs[i]) or admit(b)
-    sync()
-    return list(zip(outs, hists)), time.perf_counter() - t0, prefill_seconds
+                accept_len, chunk = chunk[0], chunk[1:chunk[0] + 2]
+            else:
+                where[b] = (chunk[-1], where[b][1] + 1)
+            live[b] = commit(keys[b], chunk, accept_len)

@@ -12,7 +12,7 @@ import sizing
 import tp
 from checkpoint import (DEFAULT_HEAD, UsageError, check_device_dtype, checkpoint_tokenizer, default_checkpoint, load_draft_head,
                         load_draft_model, load_model)
-from compiling import sizing_compile
+from compiling import COMPILE_CHOICES, sizing_compile
 from draft import DraftHead
 from generator import GREEDY, Generator, Result, acceptance_metrics, check_sampling, decode_one, log_stderr, prefill  # noqa: F401  (the API)
 from model import Transformer
@@ -64,6 +64,24 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer)
     gen.build(rule, log)
     return gen, tokenizer
+
+
+def add_model_flags(p):
+    """The flags that say what load_generator builds (generate.py's and serve.py's): the checkpoint, device and dtype,
+    compiling, the mode, its head or draft LLM and its tree."""
+    p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
+    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, measured once per machine (dtypes.py)")
+    p.add_argument("--compile", nargs="?", const="packed", default=False, choices=COMPILE_CHOICES, help="compile the steps before the first answer (CUDA graphs on a GPU); on a CPU packed: compiled once per machine and saved, max: Inductor's GEMM templates, auto: the faster of the two, measured (README)")
+    p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
+    p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
+    p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
+    p.add_argument("--depth", type=int, default=None, help="eagle2: draft levels (default: sized for the device)")
+    p.add_argument("--topk", type=int, default=None, help="eagle2: nodes expanded per level, children per node (default: sized for the device)")
+    p.add_argument("--num-draft-tokens", type=int, default=None, help="eagle2: m, tree nodes verified besides the root (default: sized for the device)")
+    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth) at T=0; none when sampling or in a batch; 0: none)")
+    p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
 
 
 def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transformer:

