@@ -12,7 +12,6 @@ if not __package__:  # run as a script (python bench/bench.py): the project's ro
 import interrupt  # noqa: E402,F401  first: Ctrl-C during the imports exits 130 in one line
 import json  # noqa: E402
 import shlex  # noqa: E402
-import statistics  # noqa: E402
 import subprocess  # noqa: E402
 import threading  # noqa: E402
 import time  # noqa: E402
