@@ -223,7 +223,7 @@ def test_sampling_gets_a_shallower_tree_of_its_own_and_no_lookup_slots(tiny_args
 def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
     """generate.py and bench.py (every tree of a run, --sweep's too) size an eagle2 tree for sampling at T > 0, without
     lookup slots unless asked (at T=1 they added no τ), and with sizing's default (None: min(3, depth)) at T=0."""
-    import bench
+    from bench import bench
     import generate
     from checkpoint import UsageError
     from eaglet import check_options
@@ -247,6 +247,6 @@ def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
         assert generate.main(["--speculate", "eagle2", *argv]) == 2 and seen[-1] == want
         for sweep in ([], ["--sweep", "2"]):
             assert bench.main(["--modes", "eagle2", *sweep, *argv]) == 2 and benched[-1] == (want, want)
-    for mode in ("none", "lookup", "sps", "eagle"):  # the other modes sample too (dac93aa gave them lookup slots 0: exit 2)
+    for mode in ("none", "lookup", "sps", "eagle"):  # the other modes sample too (lookup slots 0 would exit 2 for them)
         before = len(seen)
         assert generate.main(["--speculate", mode, "--temperature", "1"]) == 2 and len(seen) == before + 1
