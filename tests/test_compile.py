@@ -183,8 +183,8 @@ def test_guards_still_pick_each_samplings_own_graph(tiny_args, random_model, ran
 @pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)], ids=["none", "eagle2"])
 def test_a_regrown_cache_still_recompiles_the_steps(tiny_args, random_model, random_head, single_thread, spec, lazy_compile):
     # Caches reallocated for a longer answer must send every compiled step to a new graph, never replay the old one
-    # over them: Dynamo's identity guards on the buffers do it, and a guard filter that drops them (tried for the
-    # 0.2 ms a call that module guards cost) fails here with an index out of bounds.
+    # over them: Dynamo's identity guards on the buffers do it, and a guard filter that drops them (to save what module
+    # guards cost a call) fails here with an index out of bounds.
     args = tiny_args()
     target = random_model(args, seed=0)
     head = random_head(args, seed=1) if spec else None
