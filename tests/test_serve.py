@@ -17,7 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import serve
-from draft import save_head
+from weights import save_head
 from eaglet import GREEDY, load_generator
 from hf_fixtures import EOS_ID, write_tokenizer
 from tokenizer import encode_prompt
