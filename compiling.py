@@ -31,9 +31,22 @@ def compiled(fn, device=None, frozen=None, **kw):
 
 def sizing_compile(target, head=None, compile=True):
     """How sizing.py compiles the passes it times: as the Generator compiles its steps (weights packed, or frozen
-    under --compile max), with the number of rows dynamic so one graph serves every tree size."""
+    under --compile max; on a CPU precompiled and saved), the sizes sizing marks dynamic symbolic so one graph serves
+    many tree sizes. -> fn -> a callable compiled at its first call."""
     device = target.tok_embeddings.weight.device
     frozen = ops.prepare(compile, target, head)
-    compile_fn = lambda fn: compiled(fn, device, frozen, dynamic=True, mode="reduce-overhead" if device.type == "cuda" else None)  # noqa: E731
+    precompile = ops.step_compiler(device, frozen)
+
+    def compile_fn(fn):
+        if precompile is None:
+            return compiled(fn, device, frozen, dynamic=None, mode="reduce-overhead" if device.type == "cuda" else None)
+        step = None
+
+        def run(*args):
+            nonlocal step
+            if step is None:  # sizing says how long it runs; a package's own lines would interleave with its
+                step, _ = precompile(f"sizing{fn.__name__}", fn, args, None, lambda *_: None)
+            return step(*args)
+        return run
     compile_fn.compile = compile  # part of sizing's cache key: --compile max's costs are its own
     return compile_fn

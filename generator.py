@@ -31,12 +31,17 @@ log_stderr = functools.partial(print, file=sys.stderr)
 
 # ---------------------------------------------------------------- the steps a Generator compiles
 
-def prefill(model: Transformer, prompt: Tensor, start: Tensor) -> tuple:
+def prefill(model: Transformer, prompt: Tensor, start: Tensor, layered: bool = False) -> tuple:
     """prompt [1, T] at positions start.. -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV
     slots [start, start + T), attending to the slots before start (a conversation's earlier turns)."""
     pos = start + torch.arange(prompt.shape[1], device=prompt.device)
-    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length))
+    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length), layered)
     return h[0], feat[0]
+
+
+def layered_prefill(model: Transformer, prompt: Tensor, start: Tensor) -> tuple:
+    """prefill compiled a layer's graph at a time (model.hidden's layered): a CPU's packaged prefill."""
+    return prefill(model, prompt, start, layered=True)
 
 
 def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
@@ -130,18 +135,18 @@ class Generator:
         if self.built == (sampling, self.target.max_seq_length):
             return
         prompt, start = torch.zeros(1, 8, dtype=torch.long, device=self.device), torch.tensor(0, device=self.device)
-        steps = [("prefill", prefill, (self.target, prompt, start), True)]
+        steps = [("prefill", layered_prefill, (self.target, prompt, start), True, True)]
         if self.spec is None:
-            steps.append(("decode_step", decode_one, (self.target, prompt[0, :1], start.view(1), sampling), False))
+            steps.append(("decode_step", decode_one, (self.target, prompt[0, :1], start.view(1), sampling), False, False))
         else:
             drafter = self.head if self.head is not None else self.draft_model
             args = (self.target, drafter, self.state, self.spec, sampling)
-            steps.append((f"{self.spec.mode}_cycle", self.eager_cycle, args, False))
+            steps.append((f"{self.spec.mode}_cycle", self.eager_cycle, args, False, False))
             if self.spec.mode == "lookup":
-                steps.append(("lookup_step", lookup_step, args, False))
+                steps.append(("lookup_step", lookup_step, args, False, False))
         built = {}
-        for name, fn, args, dynamic in steps:
-            built[name], seconds = self.precompile(name, fn, args, dynamic, log)
+        for name, fn, args, dynamic, layered in steps:
+            built[name], seconds = self.precompile(name, fn, args, dynamic, log, layered)
             self.compile_seconds += seconds
         self.prefill = built["prefill"]
         self.decode_one = built.get("decode_step", self.decode_one)

@@ -44,8 +44,8 @@ def inductor_settings(device: torch.device, frozen) -> dict:
 
 
 def step_compiler(device: torch.device, frozen):
-    """None (steps compile at their first call, as torch.compile does) or a function (name, fn, args, dynamic, log) ->
-    (step, seconds compiling) that builds a step before the answer, or loads it from disk."""
+    """None (steps compile at their first call, as torch.compile does) or a function (name, fn, args, dynamic, log, layered) ->
+    (step, seconds compiling) that builds a step before the answer, or loads it from disk (cpu/inductor.precompiled)."""
     return None
 
 

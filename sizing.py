@@ -18,7 +18,7 @@ import tp
 from checkpoint import UsageError
 from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
-from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple
+from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple, rope_at
 from quant import KERNEL_MAX_ROWS, QuantLinear
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
@@ -133,8 +133,8 @@ def _median_ratio(fn, step, device, reps: int = 3) -> float:
     return sorted(_ms(fn, sync) / _ms(step, sync) for _ in range(reps))[reps // 2]
 
 
-def _target_pass(target, tokens, pos, mask):
-    return target(tokens, pos, pos, mask)
+def _layer_pass(layer, rope_table, x, pos, mask):
+    return layer(x, rope_at(rope_table, pos, 1), pos, mask)
 
 
 def _head_level(target, head, tokens, feats, pos, mask):
@@ -149,31 +149,46 @@ def measure_costs(target, head, compile_fn=None) -> dict:
 
     compile_fn: how the generator will compile its steps (None: it runs them eagerly). The passes are timed
     through it, so the costs are those of the steps that will run: eager timing on a GPU is launch-bound and
-    flat in T (it would always pick the largest tree), and compiling on a CPU removes per-op overhead."""
-    device = target.tok_embeddings.weight.device
+    flat in T (it would always pick the largest tree), and compiling on a CPU removes per-op overhead. A target pass
+    is timed as its layers, each through one compiled graph of a layer, then its LM head (a single kernel, eagerly):
+    the layers are alike, and a graph of all of them took minutes to compile for a few timings."""
+    device, dtype = target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype
     need = CONTEXT + max(M_CHOICES) + 1
     if target.max_seq_length < need:
         target.setup_caches(find_multiple(need, 256))
-    head.setup_caches(target.max_seq_length, dtype=target.tok_embeddings.weight.dtype)
-    run_target, run_head = (compile_fn(_target_pass), compile_fn(_head_level)) if compile_fn else (_target_pass, _head_level)
+    head.setup_caches(target.max_seq_length, dtype=dtype)
+    # The draft level reads the target's LM head, so one quantised layer in either model counts for both passes.
+    quantised = any(isinstance(m, QuantLinear) for model in (target, head) for m in model.modules())
+    low = KERNEL_MAX_ROWS + 1 if quantised else 2  # row counts from here on share dynamic graphs (few_rows)
+    graphs = {}
+
+    def graph(fn, T):
+        group = 1 if T == 1 else T if T < low else FUSED_QUERIES if T <= FUSED_QUERIES else FEW_QUERIES
+        if (fn, group) not in graphs:
+            graphs[fn, group] = compile_fn(fn) if compile_fn else fn
+        return graphs[fn, group]
 
     def target_pass(T):
         pos = CONTEXT + torch.arange(T, device=device)
-        tokens = torch.zeros(1, T, dtype=torch.long, device=device)
+        x = torch.zeros(1, T, target.args.dim, dtype=dtype, device=device)
         mask = causal_mask(pos, target.max_seq_length)
-        few_rows(T, (tokens, 1), (pos, 0), (mask, 0))
-        return lambda: run_target(target, tokens, pos, mask)
+        few_rows(T, (x, 1), (pos, 0), (mask, 0))
+        run = graph(_layer_pass, T)
+
+        def run_pass():
+            for layer in target.layers:
+                run(layer, target.rope, x, pos, mask)
+            return target.output(target.norm(x))
+        return run_pass
 
     def head_level(rows):
         pos = CONTEXT + torch.arange(rows, device=device)
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
-        feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=target.tok_embeddings.weight.dtype)
+        feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=dtype)
         mask = causal_mask(pos, head.max_seq_length)
         few_rows(rows, (tokens, 0), (pos, 0), (feats, 1), (mask, 0))
-        return lambda: run_head(target, head, tokens, feats, pos, mask)
-
-    # The draft level reads the target's LM head, so one quantised layer in either model counts for both passes.
-    quantised = any(isinstance(m, QuantLinear) for model in (target, head) for m in model.modules())
+        run = graph(_head_level, rows)
+        return lambda: run(target, head, tokens, feats, pos, mask)
 
     def few_rows(n, *dims):
         # Dynamic graphs time every size, and they must attend as the cycle's graphs of a fixed size do: the bounds
@@ -181,11 +196,12 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         # up to FUSED_QUERIES proves what takes the fused attention (the kernel, in bf16), another the sizes past it.
         # A quantised layer changes kernels past KERNEL_MAX_ROWS, and its CPU rows kernel loops over a static row
         # count: up to there each size gets its own graph, as in the cycle.
-        low = KERNEL_MAX_ROWS + 1 if quantised else 2
         if compile_fn and n >= low:
             lo, hi = (low, FUSED_QUERIES) if n <= FUSED_QUERIES else (max(low, FUSED_QUERIES + 1), FEW_QUERIES)
             for t, d in dims:
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
+            # the mask's slots read: never all of the cache's, a width the model reads as a special case
+            torch._dynamo.mark_dynamic(dims[-1][0], 1, min=CONTEXT + lo, max=min(CONTEXT + hi, target.max_seq_length - 1))
 
     # Compiled, a quantised target's few-row graphs are large (the rows kernel unrolls its rows) and slow to build: the
     # smallest and largest tree below the switch stand for the others, which verify_cost interpolates.
@@ -208,9 +224,10 @@ def device_name(device) -> str:
 # Part of the cache key: bumped when the steps' code changes what they cost (2: tree verifies on a CPU read the
 # cache with attend_few's matmuls instead of SDPA, half the attention time; 3: sizes up to FUSED_QUERIES are timed
 # with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
-# of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights), so older
+# of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
+# layer by layer through one graph of a layer), so older
 # measurements are not reused.
-COSTS_VERSION = 5
+COSTS_VERSION = 6
 
 
 def cache_key(target, head, compiled=False) -> str:

@@ -35,8 +35,9 @@ ROOT = Path(__file__).resolve().parents[1]
 
 # cpp_wrapper calls the kernels from C++, no Python between them (the CPU's answer to CUDA graphs). The weights come
 # prepacked (cpu/linears.py), not frozen: one copy for every graph, where each frozen graph holds its own. The GEMM
-# templates (max_autotune) win on some CPUs and lose on others: see choose.
-CPU_INDUCTOR = {"cpp_wrapper": True, "freezing": False, "max_autotune": False}
+# templates (max_autotune) win on some CPUs and lose on others: see choose. The wrapper and the kernels build apart, in
+# parallel, the wrapper at -O1: a cold step compiles in two thirds of the time and runs as fast (docs/cpu.md).
+CPU_INDUCTOR = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": False, "max_autotune": False}
 # --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. The weights
 # become graph constants, which Inductor's FX graph cache refuses as it comes (cache_frozen_graphs makes it store them).
 CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}
@@ -237,7 +238,8 @@ def tensor_meta(t) -> str:
     if t is None:
         return "None"
     stride = "" if t.layout != torch.strided else f" stride {t.stride()}"
-    return f"{tuple(t.shape)} {t.dtype} {t.layout} {t.device.type}{stride}"
+    marked = sorted(getattr(t, "_dynamo_dynamic_indices", ()))  # torch._dynamo.mark_dynamic's dims
+    return f"{tuple(t.shape)} {t.dtype} {t.layout} {t.device.type}{stride}" + (f" dynamic {marked}" if marked else "")
 
 
 @functools.cache
@@ -257,11 +259,11 @@ def source_digest() -> str:
     return h.hexdigest()
 
 
-def package_key(name: str, args: tuple, dynamic: bool) -> str:
+def package_key(name: str, args: tuple, dynamic, layered: bool = False) -> str:
     import torch._inductor.config as inductor_config
 
     settings = {k: getattr(inductor_config, k) for k in CPU_INDUCTOR}
-    parts = [name, f"dynamic {dynamic}", machine(), source_digest(), repr(sorted(settings.items()))] + [describe(a) for a in args]
+    parts = [name, f"dynamic {dynamic} layered {layered}", machine(), source_digest(), repr(sorted(settings.items()))] + [describe(a) for a in args]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
 
 
@@ -271,26 +273,33 @@ def keep_shape_guards(entries) -> list:
     return [e.guard_type == "SHAPE_ENV" for e in entries]
 
 
-def precompiled(name: str, fn, args: tuple, dynamic: bool = False, log=print) -> tuple:
+def precompiled(name: str, fn, args: tuple, dynamic=False, log=print, layered: bool = False) -> tuple:
     """fn compiled for args (a step of a Generator), loaded from this machine's package if there is one, else compiled
-    now and saved. -> (callable, seconds spent compiling: 0 when loaded). A dynamic step checks its size guards and
-    runs eagerly on sizes outside them."""
+    now and saved. -> (callable, seconds spent compiling: 0 when loaded). dynamic: False, every size static; True,
+    every size symbolic; None, the sizes marked dynamic (torch._dynamo.mark_dynamic). A step with symbolic sizes checks
+    its size guards and runs eagerly on sizes outside them. layered: fn calls nested compile regions (model.hidden's
+    layered), which only Inductor's Python wrapper calls: for a step that runs once an answer (the prefill), where
+    Python between its kernels costs little."""
     folder = cachedir.root() / PACKAGES
-    key = package_key(name, args, dynamic)
+    key = package_key(name, args, dynamic, layered)
     path = folder / f"{name}-{key}.pt2"
     step = load_package(path, key, fn, log)
     seconds = 0.0
     if step is None:
         t0 = time.perf_counter()
         log(f"compiling the {name.replace('_', ' ')} (once for this machine, model and tree; saved in {folder}) ...")
-        guards = keep_shape_guards if dynamic else torch.compiler.skip_all_guards_unsafe
+        guards = torch.compiler.skip_all_guards_unsafe if dynamic is False else keep_shape_guards
+        # Inductor's oneDNN linear-add fusion fails inside a nested region (torch 2.13): over oneDNN's packed weights
+        # the layers' graphs are inlined, one flat graph as for every other step.
+        flat = layered and any(type(m) is linears.PackedLinear for a in args if isinstance(a, torch.nn.Module) for m in a.modules())
+        options = {"guard_filter_fn": guards} | ({"cpp_wrapper": False} if layered and not flat else {})
         # Floats stay constants: a symbolic float makes the trace restart, which a precompile cannot do.
-        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True), ticking(f"compiling the {name.replace('_', ' ')}", log):
-            step = compiled(fn, "cpu", options={"guard_filter_fn": guards}, dynamic=dynamic).aot_compile((args, {}))
+        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True, inline_invoke_subgraph=flat), ticking(f"compiling the {name.replace('_', ' ')}", log):
+            step = compiled(fn, "cpu", options=options, dynamic=dynamic).aot_compile((args, {}))
         seconds = time.perf_counter() - t0
         log(f"compiled the {name.replace('_', ' ')} in {seconds:.1f} s")
         save_package(step, path, key, log)
-    if not dynamic:
+    if dynamic is False:
         return step, seconds
     return (lambda *a: step(*a) if step.guard_check(*a) else fn(*a)), seconds
 

@@ -120,8 +120,9 @@ def test_a_draft_vocabulary_below_the_topk_choices_is_sized_within_it(tmp_path, 
 
 
 def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tiny_args, random_model, random_head):
-    # Under --compile the timed passes go through the generator's own compile (dynamic rows: one graph per
-    # pass for every tree size), and the entry is cached apart from the eager one.
+    # Under --compile the timed passes go through the generator's own compile (a graph of one layer for the target's
+    # one-row step, for every tree size up to 16 rows and for those past it; one of the draft level), and the entry is
+    # cached apart from the eager one.
     import compiling
 
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
@@ -134,7 +135,7 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
 
     torch._dynamo.reset()
     tree = sizing.measure_tree(target, head, compile_fn=compile_fn)
-    assert compiled_fns == ["_target_pass", "_head_level"]
+    assert compiled_fns == ["_layer_pass"] * 3 + ["_head_level"]
     keys = list(cachedir.read(sizing.CACHE))
     assert len(keys) == 1 and keys[0].endswith("|compiled oneDNN")  # fp32: the packed kernel named
     sizing.measure_tree(target, head)  # eager: a second entry
@@ -169,6 +170,7 @@ def test_compiled_sizing_attends_as_the_fixed_size_cycle(tmp_path, monkeypatch, 
 
     monkeypatch.setattr(model, "attend_few", spy)
     monkeypatch.setattr(sizing, "M_CHOICES", (2, 8, 24))
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))  # traced here, not loaded from another test's saved graphs
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
     torch._dynamo.reset()
     ATTENDED.clear()
