@@ -66,14 +66,15 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     return gen, tokenizer
 
 
-def add_model_flags(p):
-    """The flags that say what load_generator builds (generate.py's and serve.py's): the checkpoint, device and dtype,
-    compiling, the mode, its head or draft LLM and its tree."""
+def add_model_flags(p, mode: bool = True):
+    """The flags that say what load_generator builds (generate.py's, serve.py's and, without --speculate, bench.py's,
+    whose --modes name several): the checkpoint, device and dtype, compiling, the mode, its head or draft LLM and its tree."""
     p.add_argument("--checkpoint", type=Path, default=None, help="converted checkpoint dir (default: the embedded SmolLM2-135M-Instruct)")
     p.add_argument("--device", default=None, help="default: cuda if available, else cpu")
     p.add_argument("--dtype", choices=["float32", "bfloat16", "float16"], default=None, help="default: bfloat16 on CUDA; on a CPU the faster of float32 and bfloat16, measured once per machine (dtypes.py)")
     p.add_argument("--compile", nargs="?", const="packed", default=False, choices=COMPILE_CHOICES, help="compile the steps before the first answer (CUDA graphs on a GPU); on a CPU packed: compiled once per machine and saved, max: Inductor's GEMM templates, auto: the faster of the two, measured (README)")
-    p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
+    if mode:
+        p.add_argument("--speculate", default="none", help=f"one of {', '.join(MODES)}")
     p.add_argument("--draft", type=Path, default=None, help="EAGLE head dir (default: the shipped head of the default model)")
     p.add_argument("--draft-checkpoint", type=Path, default=None, help="draft LLM for --speculate sps")
     p.add_argument("--depth", type=int, default=None, help="eagle2: draft levels (default: sized for the device)")

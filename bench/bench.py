@@ -6,7 +6,6 @@ from pathlib import Path
 if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below exits 130 in one line too
-import argparse
 import copy
 import json
 import resource
@@ -24,8 +23,9 @@ import sizing
 import tp
 from bench import peers
 from checkpoint import UsageError, UsageParser, default_checkpoint
-from compiling import COMPILE_CHOICES, sizing_compile
+from compiling import sizing_compile
 from draft import EagleHead
+import eaglet
 from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill
 from model import ModelArgs, Transformer, find_multiple
 from prompts import MT_BENCH, load_conversations
@@ -415,9 +415,7 @@ def parse_batch_sizes(opts) -> list:
 
 def build_parser() -> UsageParser:
     p = UsageParser(description="Benchmark vanilla and speculative decoding on the same prompts.")
-    p.add_argument("--checkpoint", type=Path, default=None)
-    p.add_argument("--draft", type=Path, default=None)
-    p.add_argument("--draft-checkpoint", type=Path, default=None)
+    eaglet.add_model_flags(p, mode=False)
     p.add_argument("--modes", default="none,eagle2", help="comma list of none, eagle2, eagle, sps")
     p.add_argument("--prompts", type=Path, default=MT_BENCH, help="MT-bench-format jsonl (default: data/mt_bench.jsonl, the 80 MT-bench questions)")
     p.add_argument("--num-prompts", type=int, default=None, help="a subset spread evenly over the file")
@@ -427,16 +425,6 @@ def build_parser() -> UsageParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--device", default=None)
-    p.add_argument("--dtype", default=None, choices=["float32", "bfloat16", "float16"])
-    p.add_argument("--compile", nargs="?", const="packed", default=False, choices=COMPILE_CHOICES,
-                   help="compile the steps before timing; on a CPU packed (the default; saved per machine), max (GEMM templates) or auto (the faster, measured)")
-    p.add_argument("--depth", type=int, default=None)
-    p.add_argument("--topk", type=int, default=None)
-    p.add_argument("--num-draft-tokens", type=int, default=None)
-    p.add_argument("--speculate-k", type=int, default=None)
-    p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: tree nodes filled from the prompt lookup match (default: min(3, depth) at T=0; none when sampling or in a batch; 0: none)")
-    p.add_argument("--draft-vocab", type=int, default=None, help="the head's N most frequent tokens (0: whole vocabulary)")
     p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default (for sampling with --temperature > 0)")
