@@ -172,7 +172,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         pos = CONTEXT + torch.arange(T, device=device)
         x = torch.zeros(1, T, target.args.dim, dtype=dtype, device=device)
         mask = causal_mask(pos, target.max_seq_length)
-        few_rows(T, (x, 1), (pos, 0), (mask, 0))
+        few_rows(T, mask, (x, 1), (pos, 0))
         run = graph(_layer_pass, T)
 
         def run_pass():
@@ -186,11 +186,11 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
         feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=dtype)
         mask = causal_mask(pos, head.max_seq_length)
-        few_rows(rows, (tokens, 0), (pos, 0), (feats, 1), (mask, 0))
+        few_rows(rows, mask, (tokens, 0), (pos, 0), (feats, 1))
         run = graph(_head_level, rows)
         return lambda: run(target, head, tokens, feats, pos, mask)
 
-    def few_rows(n, *dims):
+    def few_rows(n, mask, *dims):
         # Dynamic graphs time every size, and they must attend as the cycle's graphs of a fixed size do: the bounds
         # let the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path, and one graph
         # up to FUSED_QUERIES proves what takes the fused attention (the kernel, in bf16), another the sizes past it.
@@ -198,10 +198,10 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         # count: up to there each size gets its own graph, as in the cycle.
         if compile_fn and n >= low:
             lo, hi = (low, FUSED_QUERIES) if n <= FUSED_QUERIES else (max(low, FUSED_QUERIES + 1), FEW_QUERIES)
-            for t, d in dims:
+            for t, d in ((mask, 0), *dims):
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
             # the mask's slots read: never all of the cache's, a width the model reads as a special case
-            torch._dynamo.mark_dynamic(dims[-1][0], 1, min=CONTEXT + lo, max=min(CONTEXT + hi, target.max_seq_length - 1))
+            torch._dynamo.mark_dynamic(mask, 1, min=CONTEXT + lo, max=min(CONTEXT + hi, target.max_seq_length - 1))
 
     # Compiled, a quantised target's few-row graphs are large (the rows kernel unrolls its rows) and slow to build: the
     # smallest and largest tree below the switch stand for the others, which verify_cost interpolates.

@@ -36,7 +36,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # cpp_wrapper calls the kernels from C++, no Python between them (the CPU's answer to CUDA graphs). The weights come
 # prepacked (cpu/linears.py), not frozen: one copy for every graph, where each frozen graph holds its own. The GEMM
 # templates (max_autotune) win on some CPUs and lose on others: see choose. The wrapper and the kernels build apart, in
-# parallel, the wrapper at -O1: a cold step compiles in two thirds of the time and runs as fast (docs/cpu.md).
+# parallel: a cold step compiles in about two thirds of the time and runs as fast (docs/cpu.md).
 CPU_INDUCTOR = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": False, "max_autotune": False}
 # --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. The weights
 # become graph constants, which Inductor's FX graph cache refuses as it comes (cache_frozen_graphs makes it store them).
