@@ -1,4 +1,5 @@
 # Shared fixtures: tiny random models and heads, and a chi-square goodness-of-fit test.
+import os
 import sys
 from pathlib import Path
 
@@ -12,6 +13,28 @@ import sampling  # noqa: E402
 import spectree  # noqa: E402
 from draft import Eagle3Head, EagleHead  # noqa: E402
 from model import ModelArgs, Transformer, eagle3_taps  # noqa: E402
+
+# pytest.ini runs the suite on pytest-xdist's workers, one a core (up to 4). They share the machine's cores: each
+# worker's torch, and every process a test starts, takes its share of them, since OpenMP threads spinning against
+# another worker's slow both far more than one thread each costs.
+WORKERS = int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1"))
+if WORKERS > 1:
+    share = max(1, len(os.sched_getaffinity(0)) // WORKERS)
+    os.environ["OMP_NUM_THREADS"] = str(share)
+    torch.set_num_threads(share)
+
+# The tests that compile the most start first, so the other workers' lighter tests fill in around them and no long
+# test is left to run alone at the end.
+FIRST = ("test_compile_max_runs_gemm_templates", "test_compiled_batches_equal", "test_compiled_runs_are_sized",
+         "test_a_second_process_loads", "test_a_regrown_cache", "test_compiled_eagle3_cycle", "test_readme_python_example")
+
+
+def pytest_xdist_auto_num_workers(config):
+    return min(len(os.sched_getaffinity(0)), 4)
+
+
+def pytest_collection_modifyitems(config, items):
+    items.sort(key=lambda item: next((i for i, name in enumerate(FIRST) if item.name.startswith(name)), len(FIRST)))
 
 
 def _tiny_args(**kw) -> ModelArgs:
