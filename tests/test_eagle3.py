@@ -115,7 +115,8 @@ def test_misfit_eagle3_head_is_refused_in_one_line(hf_target, tmp_path, capsys, 
     assert err.startswith("error: ") and err.count("\n") == 1 and message in err, err
     assert convert.main(argv) == 0  # without a target nothing is checked; generate.py refuses it then
     capsys.readouterr()
-    gen = ["--checkpoint", str(target_dir), "--draft", str(tmp_path / "head"), "--speculate", "eagle2", "--max-new-tokens", "4",
+    # --dtype: a first run on a fresh machine would also report its dtype measurement on stderr
+    gen = ["--dtype", "float32", "--checkpoint", str(target_dir), "--draft", str(tmp_path / "head"), "--speculate", "eagle2", "--max-new-tokens", "4",
            "--depth", "2", "--topk", "2", "--num-draft-tokens", "2"]
     result = subprocess.run([sys.executable, "generate.py", *gen], cwd=ROOT, capture_output=True, text=True)
     assert result.returncode == 2 and result.stderr.startswith("error: ") and result.stderr.count("\n") == 1, result.stderr
@@ -126,8 +127,8 @@ def test_eagle3_head_keeps_its_vocabulary(hf_target, tmp_path, capsys):
     hf_model, target_dir = hf_target
     write_official_eagle3_head(tmp_path / "official", hf_model)
     convert.convert_eagle(tmp_path / "official", tmp_path / "head", target_dir)
-    argv = ["--checkpoint", str(target_dir), "--draft", str(tmp_path / "head"), "--speculate", "eagle2", "--max-new-tokens", "4",
-            "--depth", "2", "--topk", "2", "--num-draft-tokens", "2"]
+    argv = ["--dtype", "float32", "--checkpoint", str(target_dir), "--draft", str(tmp_path / "head"), "--speculate", "eagle2",
+            "--max-new-tokens", "4", "--depth", "2", "--topk", "2", "--num-draft-tokens", "2"]
     assert generate.main([*argv, "--draft-vocab", "10"]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and err.count("\n") == 1 and "own vocabulary of 96" in err, err
