@@ -11,7 +11,6 @@ from pathlib import Path
 if not __package__:  # run as a script (python bench/bench.py): the project's root, not this folder, is the import root
     sys.path[0] = str(Path(__file__).resolve().parents[1])
 import argparse
-import os
 import time
 import types
 
@@ -19,11 +18,7 @@ import torch  # noqa: E402
 
 from cpu import kernels  # noqa: E402
 import sampling  # noqa: E402
-
-
-def gumbel32(shape, device):
-    """float32 uniforms (k/2^24 near 1): the noise sampling.gumbel replaced."""
-    return -torch.log(-torch.log(torch.rand(shape, device=device)))
+from bench.float32_noise import gumbel32  # noqa: E402
 
 
 def own(fn):
