@@ -153,6 +153,16 @@ class Generator:
         self.cycle = built.get(f"{self.spec.mode}_cycle", self.cycle) if self.spec else None
         self.plain_cycle = built.get("lookup_step", self.plain_cycle)
         self.built = (sampling, self.target.max_seq_length)
+        self.warm_up(sampling)
+
+    @torch.inference_mode()
+    def warm_up(self, sampling: Sampling):
+        """A two-token answer through the steps just built or loaded, so that what only a step's first call does (the
+        loaded code's first run, its buffers' first touch) is paid here and not inside the first real answer. The random
+        state is put back, and nothing of this answer is reused."""
+        with torch.random.fork_rng(devices=[]):
+            self.answer([0] * 8, 2, sampling, set())
+        self.kv_streams[self.target] = (None, [])
 
     @torch.inference_mode(False)  # buffers made alike in and out of generate: an inference tensor fails compiled guards
     def reserve(self, max_len: int) -> bool:
@@ -200,10 +210,15 @@ class Generator:
         fresh = self.reserve(len(prompt) + max_new_tokens)
         self.build(sampling)  # before the first token; compiles only for a new sampling rule or cache size
         stop_ids = set(self.target.args.stop_tokens if stop_ids is None else stop_ids)
+        return self.answer(prompt, max_new_tokens, sampling, stop_ids, on_tokens, lap, reuse and not fresh)
+
+    def answer(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids: set, on_tokens=None, lap=None,
+               reuse: bool = False) -> Result:
+        """generate() once its input is checked and its caches and steps are ready."""
         sync = dtypes.synchronizer(self.device)
         sync()
         t0 = time.perf_counter()
-        start = self.reusable(prompt) if reuse and not fresh else 0
+        start = self.reusable(prompt) if reuse else 0
         self.kv_streams[self.target] = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
         x = torch.tensor([prompt], device=self.device)
         h, feats = self.prefill(self.target, torch.tensor([prompt[start:]], device=self.device), torch.tensor(start, device=self.device))

@@ -24,8 +24,10 @@ if WORKERS > 1:
     torch.set_num_threads(share)
 
 # The tests that compile the most start first, so the other workers' lighter tests fill in around them and no long
-# test is left to run alone at the end.
-FIRST = ("test_compile_max_runs_gemm_templates", "test_compiled_batches_equal", "test_compiled_runs_are_sized",
+# test is left to run alone at the end. They go to one worker in this order, so the two compiled-batch tests, which
+# compile some of the same graphs, run one after the other and the second reads them from Inductor's cache.
+FIRST = ("test_compile_max_runs_gemm_templates", "test_compiled_batches_equal", "test_compiled_generators_sharing_a_target",
+         "test_compiled_runs_are_sized",
          "test_a_second_process_loads", "test_a_regrown_cache", "test_compiled_eagle3_cycle", "test_readme_python_example")
 
 
