@@ -4,7 +4,7 @@ import contextlib
 import threading
 import time
 
-EVERY = 10.0  # seconds between lines
+EVERY = 5.0  # seconds between lines: half of the longest silence allowed, leaving room for the untimed work between steps
 
 
 @contextlib.contextmanager
