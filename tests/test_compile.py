@@ -180,6 +180,23 @@ def test_guards_still_pick_each_samplings_own_graph(tiny_args, random_model, ran
         assert answer(compiled, sampling) == expected
 
 
+def test_the_warm_up_after_a_build_puts_the_random_state_back_and_leaves_nothing_to_reuse(tiny_args, random_model, random_head, single_thread):
+    # Generator.build runs a short answer through the steps it built: a seeded answer must draw as if it had not run,
+    # and a chat's next turn must not reuse the caches that answer wrote.
+    args = tiny_args()
+    gen = Generator(random_model(args, seed=0), TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=random_head(args, seed=1), compile=True)
+    prompt, hot = prompts([9])[0], Sampling(temperature=1.0)
+
+    def answer(reuse=False):
+        torch.manual_seed(7)
+        return gen.generate(prompt, 24, hot, stop_ids=set(), reuse=reuse)
+    first = answer()  # builds the T=1 steps and warms them up, then answers
+    assert answer().token_ids == first.token_ids  # no build this time: the same draws
+    gen.generate(prompt, 8, Sampling(), stop_ids=set())  # greedy: built and warmed up, an answer a next turn could reuse
+    again = answer(reuse=True)  # T=1 again: built (loaded) and warmed up anew, over those caches
+    assert again.prefilled == len(prompt) and again.token_ids == first.token_ids
+
+
 @pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)], ids=["none", "eagle2"])
 def test_a_regrown_cache_still_recompiles_the_steps(tiny_args, random_model, random_head, single_thread, spec, lazy_compile):
     # Caches reallocated for a longer answer must send every compiled step to a new graph, never replay the old one
