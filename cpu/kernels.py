@@ -1,6 +1,7 @@
-# The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them): built on
-# first use with torch.utils.cpp_extension, registered as torch ops (eaglet::rows_mm, attend, argmax, sample) with
-# shape functions for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
+# The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them) and of
+# kernels_fp32.cpp (fp32 passes of few rows on AVX2): built on first use with torch.utils.cpp_extension, registered as
+# torch ops (eaglet::rows_mm, attend, argmax, sample; eaglet::rows_mm_fp32) with shape functions for tracing and vmap
+# rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
 # attend, argmax and sample to ops.py; cpu/linears.py runs the linears on rows_mm.
 import functools
 import os
@@ -20,6 +21,7 @@ AMX = False  # the rows_mm ops run on AMX tiles (build() found them and Linux gr
 AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step, its linears between vector code, ran slower on tiles
 AMX_ATTEND_ROWS = 8  # attend on tiles from this many query rows a KV head (a tree verify's; a decode step's 3 stay on vectors)
 SOURCE = Path(__file__).with_name("kernels.cpp")
+SOURCE_FP32 = Path(__file__).with_name("kernels_fp32.cpp")
 
 
 def cpu_flags() -> set:
@@ -36,6 +38,11 @@ def cpu_flags() -> set:
 def cpu_has_bf16_dot() -> bool:
     """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built."""
     return "avx512_bf16" in cpu_flags()
+
+
+def cpu_has_fma() -> bool:
+    """AVX2 with FMA, read from the CPU's flags: where kernels_fp32.cpp runs (every x86-64 CPU of the last decade)."""
+    return {"avx2", "fma"} <= cpu_flags()
 
 
 def cpu_has_amx() -> bool:
@@ -77,6 +84,26 @@ def build() -> bool:
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
     global BUILT
     BUILT = True
+    return True
+
+
+@functools.cache
+def build_fp32() -> bool:
+    """Builds kernels_fp32.cpp once a process (AVX2 and FMA alone: no AVX-512 instruction can reach it) and registers
+    eaglet::rows_mm_fp32. -> whether it runs here. A failed build says why once and leaves oneDNN to serve."""
+    if not cpu_has_fma():
+        return False
+    from torch.utils.cpp_extension import load
+
+    try:
+        with ticking("building the CPU kernels (once per machine)", functools.partial(print, file=sys.stderr)):
+            load("eaglet_rows_mm_fp32", sources=[str(SOURCE_FP32)], is_python_module=False,
+                 extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma"], extra_ldflags=["-fopenmp"])
+    except Exception as e:  # no compiler, no ninja: a slower path, not a failure
+        print(f"eaglet: the fp32 kernel did not build ({' '.join(str(e).split())[:200]}); oneDNN serves", file=sys.stderr)
+        return False
+    torch.library.register_fake("eaglet::rows_mm_fp32")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0] * LANES))
+    torch.library.register_vmap("eaglet::rows_mm_fp32")(functools.partial(batch_rule, torch.ops.eaglet.rows_mm_fp32))
     return True
 
 
@@ -149,7 +176,17 @@ def pack_int8(codes: Tensor) -> Tensor:
         .view(torch.int16).view(out_features // LANES, in_features // 2, LANES)
 
 
+def pack_fp32(weight: Tensor) -> Tensor:
+    """fp32 [out, in] -> [out/16, in, 16]: element (b, k, i) holds weight[16b + i, k]."""
+    out_features, in_features = weight.shape
+    return weight.reshape(out_features // LANES, LANES, in_features).transpose(1, 2).contiguous()
+
+
 def fits(linear: nn.Linear) -> bool:
+    """Whether a rows kernel serves this linear: bf16 by rows_mm (AVX512-BF16), fp32 by rows_mm_fp32 (AVX2)."""
     w = linear.weight
-    return (w.device.type == "cpu" and w.dtype == torch.bfloat16 and w.shape[0] % LANES == 0 and w.shape[1] % 2 == 0
-            and build())
+    if w.device.type != "cpu" or w.shape[0] % LANES:
+        return False
+    if w.dtype == torch.bfloat16:
+        return w.shape[1] % 2 == 0 and build()
+    return w.dtype == torch.float32 and build_fp32()

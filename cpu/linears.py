@@ -1,5 +1,5 @@
-# The CPU's float linears: weights prepacked once for oneDNN (PackedLinear) or, in bf16 where kernels.py's rows kernel
-# runs, for it (RowsLinear; RowsLinearInt8 for a draft head), and the two Inductor adjustments a packed weight that is a
+# The CPU's float linears: weights prepacked once for oneDNN (PackedLinear) or, where kernels.py's rows kernels run
+# (bf16 on AVX512-BF16, fp32 on AVX2), for them (RowsLinear; RowsLinearInt8 for a bf16 draft head), and the two Inductor adjustments a packed weight that is a
 # graph input needs. cpu/__init__.py swaps them in for a model's nn.Linear layers (pack_linears).
 import functools
 
@@ -59,20 +59,25 @@ class PackedLinear(nn.Linear):
 
 
 class RowsLinear(PackedLinear):
-    """PackedLinear whose bf16 weight is packed for the rows kernel instead (where kernels.fits it: AVX512-BF16): the
-    weight read once for up to 16 rows, where oneDNN and the GEMM templates turn compute-bound past a few. From
-    GEMM_ROWS rows on (a long prompt's prefill, a batch of prompts) oneDNN's GEMM on the plain weight is faster."""
+    """PackedLinear whose weight is packed for a rows kernel instead (where kernels.fits it: bf16 on AVX512-BF16, fp32
+    on AVX2): the weight read once for up to 16 rows (fp32: 12 at a time from cache), where oneDNN and the GEMM
+    templates turn compute-bound past a few. From GEMM_ROWS rows on (a long prompt's prefill, a batch of prompts)
+    oneDNN's GEMM on the plain weight is faster."""
 
-    fp32_out = False  # logits_in_fp32: sums written as they are, not rounded to bf16
+    fp32_out = False  # logits_in_fp32: a bf16 weight's sums written as they are, not rounded to bf16
 
     def pack(self):
-        self.packed = kernels.pack(self.weight.detach()) if kernels.fits(self) else None
+        fits = kernels.fits(self)
+        self.packed = None if not fits else kernels.pack(self.weight.detach()) if self.weight.dtype == torch.bfloat16 \
+            else kernels.pack_fp32(self.weight.detach())
 
     def forward(self, x: Tensor) -> Tensor:
         gemm = not self.fp32_out and x.numel() >= GEMM_ROWS * self.in_features  # fp32 logits stay the kernel's
         if self.packed is None or x.dtype != self.weight.dtype or gemm:
             return nn.Linear.forward(self, x)
-        y = (torch.ops.eaglet.rows_mm_f32 if self.fp32_out else torch.ops.eaglet.rows_mm)(x, self.packed)
+        op = torch.ops.eaglet.rows_mm_fp32 if x.dtype == torch.float32 else torch.ops.eaglet.rows_mm_f32 if self.fp32_out \
+            else torch.ops.eaglet.rows_mm
+        y = op(x, self.packed)
         return y if self.bias is None else y + self.bias
 
 
@@ -83,7 +88,8 @@ class RowsLinearInt8(RowsLinear):
     same tau (docs/cpu.md)."""
 
     def pack(self):
-        codes, scales = quantize_int8(self.weight.detach()) if kernels.fits(self) else (None, None)
+        bf16 = self.weight.dtype == torch.bfloat16 and kernels.fits(self)
+        codes, scales = quantize_int8(self.weight.detach()) if bf16 else (None, None)
         self.packed = None if codes is None else kernels.pack_int8(codes)
         self.register_buffer("scales", scales, persistent=False)
 
@@ -96,7 +102,11 @@ class RowsLinearInt8(RowsLinear):
 
 def draft_head_in_int8(head: nn.Module) -> nn.Module:
     """Every packed bf16 linear of a draft head (pack_linears' RowsLinear) as a RowsLinearInt8; others unchanged."""
-    replace_linears(head, lambda linear: RowsLinearInt8(linear) if type(linear) is RowsLinear and linear.packed is not None else linear)
+    def int8(linear):
+        bf16 = type(linear) is RowsLinear and linear.packed is not None and linear.weight.dtype == torch.bfloat16
+        return RowsLinearInt8(linear) if bf16 else linear
+
+    replace_linears(head, int8)
     return head
 
 
@@ -105,7 +115,7 @@ def logits_in_fp32(model: nn.Module) -> nn.Module:
     to bf16, logits near 25 lie 0.125 apart and near-ties break by token id: SmolLM2 answered "What is the capital of
     France?" with "L'Étoile..." where fp32 says "The capital of France is Paris." (25.33 against 25.24 in fp32; 25.38
     both in bf16; 25.43 against 25.34 as fp32 sums of the same bf16 products). No autograd: for decoding only."""
-    if kernels.fits(model.output):
+    if model.output.weight.dtype == torch.bfloat16 and kernels.fits(model.output):
         if not isinstance(model.output, RowsLinear):
             model.output = RowsLinear(model.output)
         model.output.fp32_out = True
@@ -114,7 +124,7 @@ def logits_in_fp32(model: nn.Module) -> nn.Module:
 
 def pack_linears(*models):
     """Every float nn.Linear of the CPU models given (None: skipped) in place as a RowsLinear (bf16 on a CPU with
-    AVX512-BF16) or a PackedLinear, where this build has oneDNN. The CPU's compiled steps read them so; other devices
+    AVX512-BF16, fp32 with AVX2) or a PackedLinear, where this build has oneDNN. The CPU's compiled steps read them so; other devices
     stay as they are."""
     lower_packed_linear_as_a_call()
     for model in models:
@@ -123,7 +133,8 @@ def pack_linears(*models):
 
 
 def pack_linear(linear: nn.Linear) -> nn.Linear:
-    """bf16 where the CPU has AVX512-BF16: the rows kernel (kernels.cpp); else oneDNN's packed layout."""
+    """A rows kernel where one serves (kernels.cpp's bf16 on AVX512-BF16, kernels_fp32.cpp's fp32 on AVX2); else
+    oneDNN's packed layout."""
     if isinstance(linear, PackedLinear):
         return linear
     return RowsLinear(linear) if kernels.fits(linear) else PackedLinear(linear)
@@ -131,6 +142,8 @@ def pack_linear(linear: nn.Linear) -> nn.Linear:
 
 def packed_kernel(dtype) -> str:
     """What runs a packed CPU linear of this dtype (part of the keys of measured costs: the kernels cost differently)."""
+    if dtype == torch.float32 and kernels.build_fp32():
+        return "fp32 rows kernel"
     if dtype != torch.bfloat16 or not kernels.build():
         return "oneDNN"
     return f"rows kernel, AMX from {kernels.AMX_MIN_ROWS} rows" if kernels.AMX else "rows kernel"

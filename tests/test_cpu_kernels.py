@@ -171,8 +171,8 @@ def test_logits_in_fp32_break_a_near_tie_by_value():
 
 def test_rows_linear_follows_its_weight():
     """linears.pack_linears installs linears.RowsLinear for a bf16 weight; it computes what nn.Linear does (bias
-    included), packs again when its weight is loaded or cast, keeps its own copy in a deep copy, and in fp32 runs as
-    nn.Linear. A stale packed copy would answer with the old weights."""
+    included), packs again when its weight is loaded or cast, keeps its own copy in a deep copy, and cast to fp32
+    packs for the fp32 kernel. A stale packed copy would answer with the old weights."""
     assert kernels.build()
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(64, 48, bias=True)).bfloat16()
@@ -189,7 +189,7 @@ def test_rows_linear_follows_its_weight():
         twin = copy.deepcopy(layer)
         assert twin.packed is not None and twin.packed is not layer.packed and torch.equal(twin(x), layer(x))
         layer.float()
-        assert layer.packed is None
+        assert layer.packed is not None and layer.packed.dtype == torch.float32  # the fp32 kernel's layout (AVX2)
         torch.testing.assert_close(layer(x.float()).double(), expect(other.float()), rtol=1e-2, atol=1e-2)
     assert not kernels.fits(nn.Linear(63, 48).bfloat16()) and not kernels.fits(nn.Linear(64, 40).bfloat16())
 

@@ -133,3 +133,39 @@ def test_features_are_the_targets_states_and_resume(tiny, tmp_path):
     assert torch.equal(after["ids"], before["ids"]) and torch.equal(after["tokens"], before["tokens"])
     for key in ("hidden", "fused"):
         torch.testing.assert_close(after[key].float(), before[key].float(), atol=0.02 * before[key].float().abs().max().item(), rtol=0.02)
+
+
+def test_a_packed_corpus_unpacks_to_a_data_set_that_featurises_the_same_and_goes_on(tiny, tmp_path, capsys):
+    """train/corpus.py: a data set's conversations packed (requests and token ids, no features) and unpacked on
+    another machine are the same conversations; a data job there writes their features (the same records, to bf16
+    rounding) without answering anything again, then writes new conversations after them. A damaged file or a
+    non-empty target directory is one error line, exit 2."""
+    from train import corpus
+
+    target, tok = load_model(tiny), load_tokenizer(tiny)
+    cfg = distill.DataConfig(out=tmp_path / "a", prompts=None, num_prompts=5, max_request_tokens=24, max_answer_tokens=20,
+                             gen_batch=4, shard_convs=2, feature_tokens=64, greedy_fraction=0.5, compile=False)
+    convs, complete = distill.build(cfg, target, tok, float("inf"))
+    assert complete and len(convs) == 5
+    packed = tmp_path / "corpus.jsonl.xz"
+    assert corpus.main(["pack", str(cfg.out), str(packed)]) == 0
+    assert corpus.main(["unpack", str(packed), str(tmp_path / "b")]) == 0
+    moved = distill.DataConfig(**{**cfg.__dict__, "out": tmp_path / "b"})
+    again, complete = distill.build(moved, target, tok, float("inf"))
+    assert complete and [c["tokens"] for c in again] == [c["tokens"] for c in sorted(convs, key=lambda c: c["id"])]
+    before = {tuple(r["tokens"].tolist()): r for r in distill.load_records(cfg.out)}
+    after = distill.load_records(moved.out)
+    assert len(after) == 5 and len(distill.read_jsonl(moved.out / "conversations.jsonl")) == 5  # nothing answered again
+    for r in after:
+        b = before[tuple(r["tokens"].tolist())]
+        assert r["prompt_len"] == b["prompt_len"]
+        torch.testing.assert_close(r["hidden"].float(), b["hidden"].float(), atol=0.02 * b["hidden"].float().abs().max().item(), rtol=0.02)
+    more, complete = distill.build(distill.DataConfig(**{**moved.__dict__, "num_prompts": 7}), target, tok, float("inf"))
+    assert complete and len(more) == 7 and [c["id"] for c in more][5:] == [5, 6]
+    capsys.readouterr()
+    assert corpus.main(["unpack", str(packed), str(tmp_path / "b")]) == 2
+    (tmp_path / "bad.jsonl.xz").write_bytes(b"not xz")
+    assert corpus.main(["unpack", str(tmp_path / "bad.jsonl.xz"), str(tmp_path / "c")]) == 2
+    assert corpus.main(["pack", str(tmp_path / "nowhere"), str(tmp_path / "x.jsonl.xz")]) == 2
+    errors = capsys.readouterr().err.strip().splitlines()
+    assert len(errors) == 3 and all(e.startswith("error: ") for e in errors), errors

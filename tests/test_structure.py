@@ -21,7 +21,7 @@ import pytest
 REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("cpu", "bench", "train")
 CLIS = {"generate", "quantize", "bench.bench", "bench.calibration", "bench.distill_speed", "bench.noise_cost", "bench.serve_bench",
-        "train.head_agreement", "serve"}
+        "train.head_agreement", "train.corpus", "serve"}
 LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cachedir", "prompts",
            "convert_hf_checkpoint", "terminal", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "bench", "bench.peers", "bench.float32_noise", "train", "train.distill",
            "train.train_draft"}  # train_draft: a CLI whose training steps head_agreement reuses
