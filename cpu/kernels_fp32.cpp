@@ -6,8 +6,8 @@
 // AVX2 CPU streams a one-row product well below the memory's bandwidth and turns compute-bound past a few rows at a
 // fraction of the FMA units' rate (docs/cpu.md), so a 16-row verify cost several decode steps. Here the weight is
 // stored [out/16, in, 16]: input k's 16 outputs are one 64-byte line, two 8-lane vectors, streamed from memory once
-// and fed to every row's accumulators; many rows cost FMAs, of which two cores have enough for about a dozen rows
-// before the weights' bandwidth stops being the bound. Each output's sum runs over k in order in one accumulator,
+// and fed to every row's accumulators; many rows cost FMAs, of which two AVX2 cores have enough for about 6 rows
+// before the FMAs, not the weights' bandwidth, are the bound. Each output's sum runs over k in order in one accumulator,
 // whatever rows share the pass: a verify's rows get the one-row step's values, bit for bit.
 #include <ATen/ATen.h>
 #include <ATen/Parallel.h>

@@ -60,7 +60,7 @@ class PackedLinear(nn.Linear):
 
 class RowsLinear(PackedLinear):
     """PackedLinear whose weight is packed for a rows kernel instead (where kernels.fits it: bf16 on AVX512-BF16, fp32
-    on AVX2): the weight read once for up to 16 rows (fp32: 12 at a time from cache), where oneDNN and the GEMM
+    on AVX2): the weight read once for up to 16 rows (fp32: 6 a pass, the weight from cache for the next 6), where oneDNN and the GEMM
     templates turn compute-bound past a few. From GEMM_ROWS rows on (a long prompt's prefill, a batch of prompts)
     oneDNN's GEMM on the plain weight is faster."""
 
