@@ -20,6 +20,7 @@ import json
 import lzma
 import os
 
+import atomic
 from checkpoint import UsageError, UsageParser
 from train import distill
 
@@ -39,10 +40,12 @@ def pack(data_dirs: list, out: Path) -> int:
     """Every answered conversation of the data directories, in order, into out (xz, written whole or not at all)."""
     lines = [json.dumps(c, separators=(",", ":")) for d in data_dirs for c in conversations(d)]
     out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = out.with_name(out.name + ".tmp")
-    with lzma.open(tmp, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
-        f.write("".join(line + "\n" for line in lines))
-    os.replace(tmp, out)  # an interrupted pack leaves the old file
+
+    def fill(tmp):
+        with lzma.open(tmp, "wt", preset=9 | lzma.PRESET_EXTREME) as f:
+            f.write("".join(line + "\n" for line in lines))
+
+    atomic.write(out, fill)  # an interrupted pack leaves the old file
     return len(lines)
 
 
@@ -57,8 +60,9 @@ def unpack(corpus: Path, data: Path) -> int:
         raise UsageError(f"{data} already holds a data set: unpack into a new directory")
     convs = read(corpus)
     data.mkdir(parents=True, exist_ok=True)
-    distill.append_jsonl(data / "requests.jsonl", [{"request": c["request"]} for c in convs])
-    distill.append_jsonl(data / "conversations.jsonl", [{"id": i, **{k: c[k] for k in FIELDS}} for i, c in enumerate(convs)])
+    # Each file whole or absent (a stop between the two: remove the directory and unpack again).
+    atomic.write(data / "conversations.jsonl", lambda tmp: distill.append_jsonl(tmp, [{"id": i, **{k: c[k] for k in FIELDS}} for i, c in enumerate(convs)]))
+    atomic.write(data / "requests.jsonl", lambda tmp: distill.append_jsonl(tmp, [{"request": c["request"]} for c in convs]))
     return len(convs)
 
 
