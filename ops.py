@@ -49,8 +49,8 @@ def step_compiler(device: torch.device, frozen):
     return None
 
 
-def kernel_name(dtype) -> str:
-    return "torch"  # what runs a prepared linear of this dtype: part of the keys of measured costs
+def kernel_name(linear) -> str:
+    return "torch"  # what runs this linear once prepared: part of the keys of measured costs
 
 
 def register(**hooks):

@@ -239,7 +239,7 @@ def cache_key(target, head, compiled=False) -> str:
             f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
             f"|costs {COSTS_VERSION}"
             + ("|compiled" if compiled else "") + (" max" if compiled == "max" else "")
-            + (f" {ops.kernel_name(target.tok_embeddings.weight.dtype)}" if compiled is True else ""))
+            + (f" {ops.kernel_name(target.layers[0].feed_forward.w13)}" if compiled is True else ""))
 
 
 CACHE = "tree_sizes.json"

@@ -18,6 +18,7 @@ from dataclasses import asdict, replace
 from pathlib import Path
 
 import torch
+import torch.nn as nn
 from torch._inductor.custom_graph_pass import CustomGraphPass
 
 import atomic
@@ -65,7 +66,7 @@ def choose(compile, target, log=print):
     if weight.device.type != "cpu" or (quantised and weight.dtype == torch.float32):
         return True
     a = step_args(target.args, weight.element_size())
-    kernel = "oneDNN" if quantised else linears.packed_kernel(weight.dtype)  # QuantLinear is no RowsLinear
+    kernel = "oneDNN" if quantised else linears.packed_kernel(target.layers[0].feed_forward.w13)  # QuantLinear is no RowsLinear
     key = f"{dtypes.cpu_name()} | torch {torch.__version__} | {weight.dtype} | dim {a.dim} ffn {a.intermediate_size} " \
           f"heads {a.n_head}/{a.n_local_heads}x{a.head_dim} vocab {a.vocab_size} layers {a.n_layer} | packed: {kernel}"
     entry = tp.from_rank0(cachedir.entry(CACHE, key, lambda e: e["choice"] in ("max", "packed")))  # tensor-parallel ranks must agree
@@ -74,7 +75,7 @@ def choose(compile, target, log=print):
             f"{weight.dtype} (once; a few minutes)")
         try:
             with ticking("timing the decode step", log):
-                entry = tp.from_rank0(measure_step(a, weight.dtype, rows_kernel=kernel != "oneDNN"))
+                entry = tp.from_rank0(measure_step(a, weight.dtype, rows_kernel=kernel != "oneDNN", codes=kernel.endswith("block codes")))
             entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
         except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
             entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
@@ -97,15 +98,16 @@ def _decode(model, token, pos):
     return model(token, pos, pos, causal_mask(pos, model.max_seq_length))[0]
 
 
-def measure_step(args, dtype, rows_kernel: bool = True) -> dict:
+def measure_step(args, dtype, rows_kernel: bool = True, codes: bool = False) -> dict:
     """A one-row decode step of a Transformer(args) with random weights, compiled with the GEMM templates and
     packed (as a Generator compiles its steps, the FX graph cache left out): {"template_ms", "packed_ms"}. Timed in a
     child process, the templates first: once a model is packed for oneDNN, Inductor lowers its linear as a plain call
     for the rest of the process (linears.lower_packed_linear_as_a_call), so a frozen graph compiled after it would run
     oneDNN too. rows_kernel=False: packed over oneDNN even where the rows kernel runs (a quantised target's linears
-    are its own)."""
+    are its own). codes: the random weights made GGUF blocks, as the target's are, so packed reads them as codes."""
     dtype = str(dtype).removeprefix("torch.")
-    child = [sys.executable, "-c", "import sys; from cpu import inductor; inductor.time_steps(*sys.argv[1:])", json.dumps(asdict(args)), dtype]
+    child = [sys.executable, "-c", "import sys; from cpu import inductor; inductor.time_steps(*sys.argv[1:])", json.dumps(asdict(args)),
+             dtype, "codes" * codes]
     env = os.environ | ({} if rows_kernel else {"EAGLET_KERNELS": "0"})
     run = subprocess.run(child, cwd=ROOT, capture_output=True, text=True, env=env)
     if run.returncode:
@@ -114,12 +116,14 @@ def measure_step(args, dtype, rows_kernel: bool = True) -> dict:
 
 
 @torch.no_grad()  # freezing wants it
-def time_steps(args: str, dtype: str, reps: int = 20, slots: int = 256):
+def time_steps(args: str, dtype: str, codes: str = "", reps: int = 20, slots: int = 256):
     """measure_step's child: prints the two times as JSON, the least disturbed of reps, the two taking turns."""
     runs = {}
     for name, setting in (("template_ms", "max"), ("packed_ms", True)):
         torch.manual_seed(0)
         model = Transformer(ModelArgs(**json.loads(args))).to(getattr(torch, dtype)).eval()
+        if codes:
+            as_q8_0_blocks(model)
         model.setup_caches(slots)
         step = compiled(_decode, "cpu", ops.prepare(setting, model))
         with torch._inductor.config.patch(fx_graph_cache=False):
@@ -133,6 +137,14 @@ def time_steps(args: str, dtype: str, reps: int = 20, slots: int = 256):
             step(model, token, pos)
             best[name] = min(best[name], time.perf_counter() - t0)
     print(json.dumps({name: round(1000 * t, 3) for name, t in best.items()}))
+
+
+def as_q8_0_blocks(model: nn.Module):
+    """Every linear's weight, in place, as a Q8_0 GGUF dequantises it: per 32 inputs an fp16 scale times int8 codes."""
+    for linear in (m for m in model.modules() if isinstance(m, nn.Linear) and m.in_features % 32 == 0):
+        w = linear.weight.data.view(linear.out_features, -1, 32)
+        scale = (w.abs().amax(-1, keepdim=True) / 127).half().float().clamp(min=2 ** -14)
+        w.copy_(torch.round(w / scale).clamp(-127, 127) * scale)
 
 
 def frozen_options(*models) -> dict:

@@ -1,6 +1,6 @@
 # The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them) and of
 # kernels_fp32.cpp (fp32 passes of few rows on AVX2): built on first use with torch.utils.cpp_extension, registered as
-# torch ops (eaglet::rows_mm, attend, argmax, sample; eaglet::rows_mm_fp32) with shape functions for tracing and vmap
+# torch ops (eaglet::rows_mm, attend, argmax, sample; eaglet::rows_mm_fp32, rows_mm_codes) with shape functions for tracing and vmap
 # rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
 # attend, argmax and sample to ops.py; cpu/linears.py runs the linears on rows_mm.
 import functools
@@ -90,7 +90,7 @@ def build() -> bool:
 @functools.cache
 def build_fp32() -> bool:
     """Builds kernels_fp32.cpp once a process (AVX2 and FMA alone: no AVX-512 instruction can reach it) and registers
-    eaglet::rows_mm_fp32. -> whether it runs here. A failed build says why once and leaves oneDNN to serve."""
+    eaglet::rows_mm_fp32 and rows_mm_codes. -> whether it runs here. A failed build says why once and leaves oneDNN to serve."""
     if not cpu_has_fma():
         return False
     from torch.utils.cpp_extension import load
@@ -102,8 +102,9 @@ def build_fp32() -> bool:
     except Exception as e:  # no compiler, no ninja: a slower path, not a failure
         print(f"eaglet: the fp32 kernel did not build ({' '.join(str(e).split())[:200]}); oneDNN serves", file=sys.stderr)
         return False
-    torch.library.register_fake("eaglet::rows_mm_fp32")(lambda x, w: x.new_empty(*x.shape[:-1], w.shape[0] * LANES))
-    torch.library.register_vmap("eaglet::rows_mm_fp32")(functools.partial(batch_rule, torch.ops.eaglet.rows_mm_fp32))
+    for op in ("rows_mm_fp32", "rows_mm_codes"):
+        torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_: x.new_empty(*x.shape[:-1], w.shape[0] * LANES))
+        torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
     return True
 
 
@@ -177,9 +178,24 @@ def pack_int8(codes: Tensor) -> Tensor:
 
 
 def pack_fp32(weight: Tensor) -> Tensor:
-    """fp32 [out, in] -> [out/16, in, 16]: element (b, k, i) holds weight[16b + i, k]."""
+    """[out, in] -> [out/16, in, 16] (fp32 weights, or block_codes' codes): element (b, k, i) holds weight[16b + i, k]."""
     out_features, in_features = weight.shape
     return weight.reshape(out_features // LANES, LANES, in_features).transpose(1, 2).contiguous()
+
+
+def block_codes(weight: Tensor):
+    """fp32 [out, in] -> kernels_fp32.cpp's codes for rows_mm_codes (pack_codes' layout), if the weight has them (a
+    checkpoint converted from a llama.cpp Q4_1 or Q8_0 GGUF: every 32 inputs' weights are scale * code + offset, bit
+    for bit), else None. Callers ask build_fp32 first."""
+    codes, dm = torch.ops.eaglet.block_codes(weight.detach())
+    return None if not codes.numel() else pack_codes(codes, dm)
+
+
+def pack_codes(codes: Tensor, dm: Tensor) -> tuple:
+    """int8 codes [out, in] and scales and offsets [out, in/32, 2] -> rows_mm_codes' [out/16, in, 16] (pack_fp32's
+    layout) and [out/16, in/32, 2, 16]."""
+    out_features, groups, _ = dm.shape
+    return pack_fp32(codes), dm.reshape(out_features // LANES, LANES, groups, 2).permute(0, 2, 3, 1).contiguous()
 
 
 def fits(linear: nn.Linear) -> bool:

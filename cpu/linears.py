@@ -1,5 +1,5 @@
 # The CPU's float linears: weights prepacked once for oneDNN (PackedLinear) or, where kernels.py's rows kernels run
-# (bf16 on AVX512-BF16, fp32 on AVX2), for them (RowsLinear; RowsLinearInt8 for a bf16 draft head), and the two Inductor adjustments a packed weight that is a
+# (bf16 on AVX512-BF16, fp32 on AVX2, a GGUF's block codes of fp32 weights), for them (RowsLinear; RowsLinearInt8 for a bf16 draft head), and the two Inductor adjustments a packed weight that is a
 # graph input needs. cpu/__init__.py swaps them in for a model's nn.Linear layers (pack_linears).
 import functools
 
@@ -67,17 +67,24 @@ class RowsLinear(PackedLinear):
     fp32_out = False  # logits_in_fp32: a bf16 weight's sums written as they are, not rounded to bf16
 
     def pack(self):
-        fits = kernels.fits(self)
-        self.packed = None if not fits else kernels.pack(self.weight.detach()) if self.weight.dtype == torch.bfloat16 \
-            else kernels.pack_fp32(self.weight.detach())
+        fits, w = kernels.fits(self), self.weight.detach()
+        codes = kernels.block_codes(w) if fits and w.dtype == torch.float32 else None
+        self.packed = None if not fits else kernels.pack(w) if w.dtype == torch.bfloat16 else codes[0] if codes \
+            else kernels.pack_fp32(w)
+        # An fp32 weight that is a GGUF's Q4_1 or Q8_0 blocks, bit for bit, is read as its int8 codes with a scale and
+        # an offset every 32 inputs: a quarter of the bytes, the same fp32 weights and sums (kernels_fp32.cpp).
+        self.register_buffer("scales", codes[1] if codes else None, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gemm = not self.fp32_out and x.numel() >= GEMM_ROWS * self.in_features  # fp32 logits stay the kernel's
         if self.packed is None or x.dtype != self.weight.dtype or gemm:
             return nn.Linear.forward(self, x)
-        op = torch.ops.eaglet.rows_mm_fp32 if x.dtype == torch.float32 else torch.ops.eaglet.rows_mm_f32 if self.fp32_out \
-            else torch.ops.eaglet.rows_mm
-        y = op(x, self.packed)
+        if self.scales is not None:
+            y = torch.ops.eaglet.rows_mm_codes(x, self.packed, self.scales)
+        else:
+            op = torch.ops.eaglet.rows_mm_fp32 if x.dtype == torch.float32 else torch.ops.eaglet.rows_mm_f32 if self.fp32_out \
+                else torch.ops.eaglet.rows_mm
+            y = op(x, self.packed)
         return y if self.bias is None else y + self.bias
 
 
@@ -140,10 +147,12 @@ def pack_linear(linear: nn.Linear) -> nn.Linear:
     return RowsLinear(linear) if kernels.fits(linear) else PackedLinear(linear)
 
 
-def packed_kernel(dtype) -> str:
-    """What runs a packed CPU linear of this dtype (part of the keys of measured costs: the kernels cost differently)."""
+def packed_kernel(linear: nn.Linear) -> str:
+    """What runs this CPU linear once packed (part of the keys of measured costs: the kernels cost differently)."""
+    dtype = linear.weight.dtype
     if dtype == torch.float32 and kernels.build_fp32():
-        return "fp32 rows kernel"
+        codes = linear.scales is not None if isinstance(linear, RowsLinear) else kernels.block_codes(linear.weight) is not None
+        return "fp32 rows kernel" + " over block codes" * codes
     if dtype != torch.bfloat16 or not kernels.build():
         return "oneDNN"
     return f"rows kernel, AMX from {kernels.AMX_MIN_ROWS} rows" if kernels.AMX else "rows kernel"

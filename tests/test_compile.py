@@ -336,14 +336,14 @@ def compile_cache(tmp_path, monkeypatch):
 @pytest.mark.parametrize("packed_ms,template_ms,choice", [(10.0, 5.0, "max"), (10.0, 9.0, True), (5.0, 10.0, True)])
 def test_compile_auto_takes_the_templates_where_they_measured_faster_once_then_cached(tiny_args, random_model, compile_cache,
                                                                                        monkeypatch, packed_ms, template_ms, choice):
-    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: {"packed_ms": packed_ms, "template_ms": template_ms})
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel, codes=False: {"packed_ms": packed_ms, "template_ms": template_ms})
     target, logs = random_model(tiny_args(), seed=0), []
     assert inductor.choose("auto", target, log=logs.append) == choice
     (key, entry), = json.loads(compile_cache.read_text()).items()
     a = target.args
     assert entry["choice"] == ("max" if choice == "max" else "packed") and f"{torch.float32} | dim {a.dim} ffn {a.intermediate_size}" in key
     assert str(compile_cache) in logs[-1] and entry["choice"] in logs[-1]
-    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: pytest.fail("the second call must read the cache"))
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel, codes=False: pytest.fail("the second call must read the cache"))
     assert inductor.choose("auto", target, log=logs.append) == choice and len(logs) == 2  # said once, when measured
     assert inductor.choose("packed", target) is True and inductor.choose("max", target) == "max"  # asked for: as asked
     assert inductor.choose(False, target) is False
@@ -352,11 +352,11 @@ def test_compile_auto_takes_the_templates_where_they_measured_faster_once_then_c
 def test_compile_auto_keeps_an_fp32_quantised_target_on_its_rows_kernels_and_a_bf16_one_follows_the_measurement(
         tiny_args, random_model, compile_cache, monkeypatch):
     import quant
-    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: pytest.fail("an fp32 quantised target must not measure"))
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel, codes=False: pytest.fail("an fp32 quantised target must not measure"))
     target = quant.quantize_model(random_model(tiny_args(), seed=0), "int8", 0)
     assert inductor.choose("auto", target) is True and not compile_cache.exists()  # freezing would turn its kernels off
     # bf16: packed timed over oneDNN, as its QuantLinear layers are no linears.RowsLinear, and kept apart from float targets
-    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel: {"packed_ms": 10.0 + rows_kernel, "template_ms": 5.0})
+    monkeypatch.setattr(inductor, "measure_step", lambda args, dtype, rows_kernel, codes=False: {"packed_ms": 10.0 + rows_kernel, "template_ms": 5.0})
     assert inductor.choose("auto", quant.quantize_model(random_model(tiny_args(), seed=0).bfloat16(), "int8", 0)) == "max"
     (key, entry), = json.loads(compile_cache.read_text()).items()
     assert key.endswith("packed: oneDNN") and entry["packed_ms"] == 10.0
@@ -372,7 +372,7 @@ def test_the_step_measurement_cuts_the_target_to_a_few_hundred_mb_and_times_both
 
 
 def test_compile_auto_falls_back_to_packed_where_the_measurement_fails(tiny_args, random_model, compile_cache, monkeypatch):
-    def fail(args, dtype, rows_kernel):
+    def fail(args, dtype, rows_kernel, codes=False):
         raise RuntimeError("timing the decode step failed: ['InductorError: no GEMM template']")
     monkeypatch.setattr(inductor, "measure_step", fail)
     logs = []
