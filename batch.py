@@ -11,6 +11,7 @@ from torch import Tensor
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps tensors with
 
 import dtypes
+import ops
 from speculate import CHAINS
 
 
@@ -134,26 +135,28 @@ def run_rows(gen, B: int, sampling, take, commit, step=None, counts=None) -> flo
         return False
 
     gen.kv_streams[gen.target] = (None, [])  # the caches will hold prefills only: nothing to reuse
-    while True:
-        live = [live[b] or admit(b) for b in range(B)]
-        if not any(live):
-            return prefill_seconds
-        if counts is not None:
-            counts["cycles"] += 1
-            counts["shared_cycles"] += sum(live) > 1
-        live_rows = torch.tensor(live, device=device)
-        if gen.spec:
-            chunks = step(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
-        else:
-            token = torch.tensor([[t] for t, _ in where], device=device)
-            pos = torch.tensor([[p] for _, p in where], device=device)
-            chunks = step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
-        for b, chunk in enumerate(chunks):
-            if not live[b]:
-                continue
-            accept_len = None
-            if gen.spec:  # [accept_len, committed tokens...] (lookup: and whether it found a match, unused here)
-                accept_len, chunk = chunk[0], chunk[1:chunk[0] + 2]
+    with ops.pacing(device) as pace:
+        while True:
+            pace()  # the threads the machine's load leaves (cpu/threads.py)
+            live = [live[b] or admit(b) for b in range(B)]
+            if not any(live):
+                return prefill_seconds
+            if counts is not None:
+                counts["cycles"] += 1
+                counts["shared_cycles"] += sum(live) > 1
+            live_rows = torch.tensor(live, device=device)
+            if gen.spec:
+                chunks = step(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
             else:
-                where[b] = (chunk[-1], where[b][1] + 1)
-            live[b] = commit(keys[b], chunk, accept_len)
+                token = torch.tensor([[t] for t, _ in where], device=device)
+                pos = torch.tensor([[p] for _, p in where], device=device)
+                chunks = step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
+            for b, chunk in enumerate(chunks):
+                if not live[b]:
+                    continue
+                accept_len = None
+                if gen.spec:  # [accept_len, committed tokens...] (lookup: and whether it found a match, unused here)
+                    accept_len, chunk = chunk[0], chunk[1:chunk[0] + 2]
+                else:
+                    where[b] = (chunk[-1], where[b][1] + 1)
+                live[b] = commit(keys[b], chunk, accept_len)

@@ -53,9 +53,14 @@ def number(x) -> bool:
     return isinstance(x, (int, float)) and not isinstance(x, bool) and x == x
 
 
-def store(name: str, key: str, entry: dict):
-    """Sets one key of a JSON measurement file (rank 0 alone writes under tensor parallelism)."""
+def store(name: str, key: str, entry: dict, disturbed=None):
+    """Sets one key of a JSON measurement file (rank 0 alone writes under tensor parallelism). disturbed: what took the
+    machine while the entry was measured (ops.watch_load), if anything: then it serves this run alone, said once, and
+    the next run measures again, so that a busy moment never stays cached as the machine's speed."""
     if tp.rank() != 0:
+        return
+    if disturbed:
+        warn(root() / name, f"measured while {disturbed}: used for this run, measured again next run")
         return
     path = root() / name
     try:

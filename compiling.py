@@ -1,5 +1,6 @@
 # How a step is compiled: torch.compile(fullgraph) with the device's Inductor settings, set in this one place (a
 # backend's, ops.inductor_settings), its own code object per Generator, shapes static unless asked.
+import time
 import types
 
 import torch
@@ -50,3 +51,20 @@ def sizing_compile(target, head=None, compile=True):
         return run
     compile_fn.compile = compile  # part of sizing's cache key: --compile max's costs are its own
     return compile_fn
+
+
+def faster(step, eager, args: tuple, log, reps: int = 3):
+    """step (compiled) unless its eager code ran faster on this machine -> the one to run. Timed the least of reps
+    turns each, on the threads the machine's load leaves (ops.pacing): a compiled step is never chosen where it loses."""
+    best = [float("inf")] * 2
+    with ops.pacing(args[0].tok_embeddings.weight.device) as pace:
+        for i in [0, 1] * reps:
+            pace()
+            t0 = time.perf_counter()
+            (step, eager)[i](*args).tolist()
+            best[i] = min(best[i], time.perf_counter() - t0)
+    if best[0] <= best[1]:
+        return step
+    log(f"warning: the compiled {eager.__name__} ran slower than its eager code on this machine "
+        f"({1000 * best[0]:.1f} against {1000 * best[1]:.1f} ms a call): it runs eagerly")
+    return eager

@@ -10,6 +10,7 @@ import torch
 import torch.nn.functional as F
 
 import cachedir
+import ops
 import tp
 
 CACHE = "dtypes.json"
@@ -92,9 +93,10 @@ def default_dtype(device, log=print) -> torch.dtype:
     valid = lambda e: e["choice"] in ("float32", "bfloat16") and cachedir.number(e["float32_ms"]) and cachedir.number(e["bfloat16_ms"])  # noqa: E731
     entry = tp.from_rank0(cachedir.entry(CACHE, key, valid))  # tensor-parallel ranks must agree
     if entry is None:  # said once, when measured; every run names its dtype in its summary line
+        disturbed = ops.watch_load()
         entry = tp.from_rank0(measure_cpu())
         entry["choice"] = "bfloat16" if entry["float32_ms"] > MIN_GAIN * entry["bfloat16_ms"] else "float32"
-        cachedir.store(CACHE, key, entry)
+        cachedir.store(CACHE, key, entry, disturbed())
         log(f"dtype {entry['choice']} (one-row matmuls: float32 {entry['float32_ms']} ms, bfloat16 {entry['bfloat16_ms']} ms "
             f"on this CPU; cached in {cachedir.root() / CACHE}; --dtype overrides)")
     return getattr(torch, entry["choice"])

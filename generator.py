@@ -16,7 +16,7 @@ import dtypes
 import ops
 import tp
 from checkpoint import check_prompts, check_sampling
-from compiling import compiled
+from compiling import compiled, faster
 from draft import DraftHead, use_draft_vocab
 from model import Transformer, causal_mask, find_multiple
 from sampling import Sampling
@@ -153,15 +153,22 @@ class Generator:
         self.cycle = built.get(f"{self.spec.mode}_cycle", self.cycle) if self.spec else None
         self.plain_cycle = built.get("lookup_step", self.plain_cycle)
         self.built = (sampling, self.target.max_seq_length)
-        self.warm_up(sampling)
+        self.warm_up(sampling, log)
 
     @torch.inference_mode()
-    def warm_up(self, sampling: Sampling):
+    def warm_up(self, sampling: Sampling, log=log_stderr):
         """A two-token answer through the steps just built or loaded, so that what only a step's first call does (the
-        loaded code's first run, its buffers' first touch) is paid here and not inside the first real answer. The random
+        loaded code's first run, its buffers' first touch) is paid here and not inside the first real answer; then the
+        compiled step or cycle timed against its eager code, and dropped if it ran slower on this machine. The random
         state is put back, and nothing of this answer is reused."""
         with torch.random.fork_rng(devices=[]):
             self.answer([0] * 8, 2, sampling, set())
+            drafter = self.head if self.head is not None else self.draft_model
+            if self.spec:
+                self.cycle = faster(self.cycle, self.eager_cycle, (self.target, drafter, self.state, self.spec, sampling), log)
+            else:
+                one = torch.ones(1, dtype=torch.long, device=self.device)
+                self.decode_one = faster(self.decode_one, decode_one, (self.target, one, 8 * one, sampling), log)
         self.kv_streams[self.target] = (None, [])
 
     @torch.inference_mode(False)  # buffers made alike in and out of generate: an inference tensor fails compiled guards
@@ -215,44 +222,47 @@ class Generator:
     def answer(self, prompt: list, max_new_tokens: int, sampling: Sampling, stop_ids: set, on_tokens=None, lap=None,
                reuse: bool = False) -> Result:
         """generate() once its input is checked and its caches and steps are ready."""
-        sync = dtypes.synchronizer(self.device)
-        sync()
-        t0 = time.perf_counter()
-        start = self.reusable(prompt) if reuse else 0
-        self.kv_streams[self.target] = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
-        x = torch.tensor([prompt], device=self.device)
-        h, feats = self.prefill(self.target, torch.tensor([prompt[start:]], device=self.device), torch.tensor(start, device=self.device))
-        root = sampling.draw(self.target.output(h[-1]))
-        sync()
-        prefill_seconds = time.perf_counter() - t0
-        lap and lap("prefill")
-        out = [int(root)]
-        on_tokens and on_tokens(out[:])
-        hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
-        cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
-        if self.spec:
-            self._start(x, feats, root, start)
+        with ops.pacing(self.device) as pace:  # the threads the machine's load leaves (cpu/threads.py)
+            pace()
+            sync = dtypes.synchronizer(self.device)
+            sync()
+            t0 = time.perf_counter()
+            start = self.reusable(prompt) if reuse else 0
+            self.kv_streams[self.target] = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
+            x = torch.tensor([prompt], device=self.device)
+            h, feats = self.prefill(self.target, torch.tensor([prompt[start:]], device=self.device), torch.tensor(start, device=self.device))
+            root = sampling.draw(self.target.output(h[-1]))
+            sync()
+            prefill_seconds = time.perf_counter() - t0
             lap and lap("prefill")
-        while len(out) < max_new_tokens and out[-1] not in stop_ids:
+            out = [int(root)]
+            on_tokens and on_tokens(out[:])
+            hist = [0] * ((self.spec.depth + 1) if self.spec else 1)
+            cycles, drafts = 0, True  # lookup: whether the text has a match to draft from
             if self.spec:
-                drafter = self.head if self.head is not None else self.draft_model
-                cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
-                args = (self.target, drafter, self.state, self.spec, sampling)
-                chunk = (eager_cycle(*args, lap) if lap else cycle(*args)).tolist()
-                if self.spec.mode == "lookup":
-                    drafts = bool(chunk.pop())
-                accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
-                hist[accept_len] += 1
-                cycles += 1
-            else:
-                pos = torch.tensor([len(prompt) + len(out) - 1], device=self.device)
-                new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
-            new = batch.cut(new, max_new_tokens - len(out), stop_ids)
-            out += new
-            on_tokens and on_tokens(new)
-        sync()
-        self.kv_streams[self.target] = (self.kv_key, prompt + out)
-        return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
+                self._start(x, feats, root, start)
+                lap and lap("prefill")
+            while len(out) < max_new_tokens and out[-1] not in stop_ids:
+                pace()
+                if self.spec:
+                    drafter = self.head if self.head is not None else self.draft_model
+                    cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
+                    args = (self.target, drafter, self.state, self.spec, sampling)
+                    chunk = (eager_cycle(*args, lap) if lap else cycle(*args)).tolist()
+                    if self.spec.mode == "lookup":
+                        drafts = bool(chunk.pop())
+                    accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
+                    hist[accept_len] += 1
+                    cycles += 1
+                else:
+                    pos = torch.tensor([len(prompt) + len(out) - 1], device=self.device)
+                    new = self.decode_one(self.target, torch.tensor(out[-1:], device=self.device), pos, sampling).tolist()
+                new = batch.cut(new, max_new_tokens - len(out), stop_ids)
+                out += new
+                on_tokens and on_tokens(new)
+            sync()
+            self.kv_streams[self.target] = (self.kv_key, prompt + out)
+            return Result(out, time.perf_counter() - t0, cycles, hist if self.spec else None, len(prompt) - start, prefill_seconds)
 
     def check(self, prompts: list, max_new_tokens: int, stop_ids=None, sampling: Sampling = GREEDY):
         check_prompts(self.target.args, prompts, max_new_tokens, stop_ids)  # UsageError before torch sees them

@@ -2,6 +2,8 @@
 # it readies the models and compiles the steps. What is here is plain torch and runs anywhere; cpu/ (imported by the
 # loading code, eaglet.py) registers its kernels and its preparation with register(). model.py and sampling.py call
 # these, never a kernel.
+import contextlib
+
 import torch
 from torch import Tensor
 
@@ -47,6 +49,19 @@ def step_compiler(device: torch.device, frozen):
     """None (steps compile at their first call, as torch.compile does) or a function (name, fn, args, dynamic, log, layered) ->
     (step, seconds compiling) that builds a step before the answer, or loads it from disk (cpu/inductor.precompiled)."""
     return None
+
+
+@contextlib.contextmanager
+def pacing(device: torch.device):
+    """Around an answer's loop of steps: yields pace(), called before each step, through which a backend fits its
+    threads to the load the machine is under (cpu/threads.py); the setting it had comes back after."""
+    yield lambda: None
+
+
+def watch_load():
+    """-> a function that says whether other processes took cores this process's threads needed since watch_load was
+    called (a few words saying so) or not (None): what is measured on a busy machine is not kept (cachedir.store)."""
+    return lambda: None
 
 
 def kernel_name(linear) -> str:

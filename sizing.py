@@ -263,9 +263,10 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
         if tp.rank() == 0:
             how = "compiled steps" if compile_fn else "eager steps"
             log(f"sizing the draft tree for this device from its {how} (once; cached in {cachedir.root() / CACHE})")
+        disturbed = ops.watch_load()
         with ticking("sizing the draft tree", log if tp.rank() == 0 else lambda s: None):
             entry = tp.from_rank0(measure_costs(target, head, compile_fn))
-        cachedir.store(CACHE, key, entry)
+        cachedir.store(CACHE, key, entry, disturbed())
     return entry
 
 

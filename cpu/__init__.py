@@ -5,10 +5,10 @@
 import torch
 
 import ops
-from cpu import inductor, kernels, linears
+from cpu import inductor, kernels, linears, threads
 from draft import DraftHead
 
-PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler")}  # ops.py's own, off a CPU
+PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing")}  # ops.py's own, off a CPU
 
 
 def prepare(compile, target, *drafters):
@@ -41,6 +41,11 @@ def step_compiler(device: torch.device, frozen):
     return inductor.step_compiler(device, frozen) if device.type == "cpu" else PLAIN["step_compiler"](device, frozen)
 
 
+def pacing(device: torch.device):
+    return threads.pacing() if device.type == "cpu" else PLAIN["pacing"](device)
+
+
 ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, samples=kernels.serves,
              sample=kernels.sample, choose=inductor.choose, prepare=prepare, inductor_settings=inductor_settings,
-             step_compiler=step_compiler, kernel_name=linears.packed_kernel)
+             step_compiler=step_compiler, kernel_name=linears.packed_kernel, pacing=pacing,
+             watch_load=threads.watch_load)

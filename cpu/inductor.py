@@ -73,13 +73,14 @@ def choose(compile, target, log=print):
     if entry is None:
         log(f"timing a compiled decode step with Inductor's GEMM templates and packed ({kernel}) on this CPU, "
             f"{weight.dtype} (once; a few minutes)")
+        disturbed = ops.watch_load()
         try:
             with ticking("timing the decode step", log):
                 entry = tp.from_rank0(measure_step(a, weight.dtype, rows_kernel=kernel != "oneDNN", codes=kernel.endswith("block codes")))
             entry["choice"] = "max" if entry["packed_ms"] > MIN_GAIN * entry["template_ms"] else "packed"
         except RuntimeError as e:  # a CPU where the templates do not compile: packed, and said once
             entry = {"choice": "packed", "packed_ms": None, "template_ms": str(e)}
-        cachedir.store(CACHE, key, entry)
+        cachedir.store(CACHE, key, entry, disturbed())
         log(f"--compile: {entry['choice']} (a decode step: packed {entry['packed_ms']} ms, GEMM templates "
             f"{entry['template_ms']} ms; cached in {cachedir.root() / CACHE}; --compile max or packed overrides)")
     return "max" if entry["choice"] == "max" else True
