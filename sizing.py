@@ -18,7 +18,7 @@ import tp
 from checkpoint import UsageError
 from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
-from model import FEW_QUERIES, FUSED_QUERIES, causal_mask, find_multiple, rope_at
+from model import FEW_QUERIES, FUSED_QUERIES, KERNEL_QUERIES, causal_mask, find_multiple, rope_at
 from quant import KERNEL_MAX_ROWS, QuantLinear
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
@@ -30,6 +30,7 @@ TOPK_SAMPLING = (10,)
 LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lift tau far more than they cost the cycle (docs/results.md)
 # The priors: spectree.RANK_ACCEPT, and RANK_ACCEPT_SAMPLING for sampling's coupled trees.
 CONTEXT = 256  # position the costs are measured at
+QUERY_GROUPS = (FUSED_QUERIES, KERNEL_QUERIES, FEW_QUERIES)  # row counts up to each bound share a dynamic graph (few_rows)
 # The most draft levels (or chain tokens) a cycle may have: each level is a head pass, and its drafts are accepted
 # ever less often (the sizer goes to max(DEPTH_CHOICES)); past this a tree only costs, so a larger number is a mistake.
 MAX_DEPTH = 32
@@ -163,7 +164,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
     graphs = {}
 
     def graph(fn, T):
-        group = 1 if T == 1 else T if T < low else FUSED_QUERIES if T <= FUSED_QUERIES else FEW_QUERIES
+        group = 1 if T == 1 else T if T < low else next(q for q in QUERY_GROUPS if T <= q)
         if (fn, group) not in graphs:
             graphs[fn, group] = compile_fn(fn) if compile_fn else fn
         return graphs[fn, group]
@@ -192,12 +193,13 @@ def measure_costs(target, head, compile_fn=None) -> dict:
 
     def few_rows(n, mask, *dims):
         # Dynamic graphs time every size, and they must attend as the cycle's graphs of a fixed size do: the bounds
-        # let the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path, and one graph
-        # up to FUSED_QUERIES proves what takes the fused attention (the kernel, in bf16), another the sizes past it.
+        # let the model prove n <= FEW_QUERIES (model.attend_few) instead of taking the prefill's path, and a graph
+        # for each of QUERY_GROUPS proves which attention its sizes take (fused loops, the kernel, the matmuls).
         # A quantised layer changes kernels past KERNEL_MAX_ROWS, and its CPU rows kernel loops over a static row
         # count: up to there each size gets its own graph, as in the cycle.
         if compile_fn and n >= low:
-            lo, hi = (low, FUSED_QUERIES) if n <= FUSED_QUERIES else (max(low, FUSED_QUERIES + 1), FEW_QUERIES)
+            hi = next(q for q in QUERY_GROUPS if n <= q)
+            lo = max(low, ([1] + [q + 1 for q in QUERY_GROUPS if q < hi])[-1])
             for t, d in ((mask, 0), *dims):
                 torch._dynamo.mark_dynamic(t, d, min=lo, max=hi)
             # the mask's slots read: never all of the cache's, a width the model reads as a special case
@@ -225,9 +227,9 @@ def device_name(device) -> str:
 # cache with attend_few's matmuls instead of SDPA, half the attention time; 3: sizes up to FUSED_QUERIES are timed
 # with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
 # of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
-# layer by layer through one graph of a layer), so older
+# layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel), so older
 # measurements are not reused.
-COSTS_VERSION = 6
+COSTS_VERSION = 7
 
 
 def cache_key(target, head, compiled=False) -> str:

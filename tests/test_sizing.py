@@ -35,13 +35,21 @@ def test_expected_tau_grows_with_the_tree_and_stays_bounded(a):
     assert sizing.expected_tau(1, 6, 10, a) == pytest.approx(1 + a)  # the draft's top-1 child
 
 
+def test_the_greedy_prior_predicts_the_shipped_head_s_measured_tau():
+    """tau of the shipped head on MT-bench first turns (docs/results.md) at four trees, the three small ones with their
+    lookup slots (worth about 0.03 here): the prior the sizing ranks trees by must predict each within 0.1. The geometric
+    prior a = 0.6 it replaced said 4.62 at the paper's tree, where the head measured 3.01."""
+    for (m, depth, k), tau in {(60, 6, 10): 3.01, (24, 4, 4): 2.71, (8, 3, 4): 2.44, (6, 2, 4): 2.22}.items():
+        assert sizing.expected_tau(m, depth, k) == pytest.approx(tau - 0.03 * (m < 60), abs=0.1), (m, depth, k)
+
+
 def test_a_certain_draft_is_worth_one_token_per_level():
     assert [sizing.expected_tau(m, 4, 10, a=1.0) for m in (1, 3, 4, 60)] == [2, 4, 5, 5]
 
 
 def test_free_verification_gets_the_largest_deepest_tree_and_costly_a_small_one():
     m, depth, k = sizing.ranked_trees(FLAT)[0]
-    assert m == 60 and depth >= 5
+    assert m >= 48 and depth >= 5
     m, depth, k = sizing.ranked_trees(STEEP)[0]
     assert m <= 8 and depth <= 4
 
