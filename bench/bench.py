@@ -21,7 +21,7 @@ import ops
 import quant
 import sizing
 import tp
-from bench import peers
+from bench import cycle_split, peers
 from checkpoint import UsageError, UsageParser, default_checkpoint
 from compiling import sizing_compile
 from draft import EagleHead
@@ -300,8 +300,10 @@ def _row(name, gen, batch, reuse, tot, warmup, peak, tokenizer, margs, conversat
     row["cycle_ms"] = round(1000 * tot["decode_seconds"] / max(steps, 1), 3)
     if gen.spec:
         row.update(spec=gen.spec.__dict__, **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
-        if opts.split and split and not batch:
-            row["split_ms"] = time_split(gen, tokenizer, margs, conversations, opts, sampling)
+    if opts.split and split and not batch and gen.packaged:  # compiled steps: each part beside its floor
+        row["split"] = cycle_split.split(gen, tokenizer, [turns[0] for turns in conversations[:4]], opts.max_new_tokens, sampling)
+    elif opts.split and split and not batch and gen.spec:
+        row["split_ms"] = time_split(gen, tokenizer, margs, conversations, opts, sampling)
     return row
 
 
@@ -394,6 +396,10 @@ def print_table(report: dict):
         print(f"{r['mode']:20} {shape:12} {r['tokens_per_s']:9.2f} {r.get('speedup', 1.0):8.3f} {r.get('mean_accept_len', 1.0):6.2f} "
               f"{r.get('cycle_ms', 1000 * r['seconds'] / max(r['new_tokens'], 1)):9.2f} {r['warmup_s']:9.2f} {r['peak_memory_mb']:8.0f} "
               f"{'' if same is None else f'{same:.2f}':>5}  {extra}")
+    for r in report["modes"].values():
+        if "split" in r:
+            print(f"\n{r['mode']}: where a {r['split']['per']} goes ({r['split']['ms']} ms as the Generator runs it)")
+            print(cycle_split.table(r["split"]))
     if report["multi_turn"]:
         print("prefill per turn (ms, tokens prefilled of the prompt's):")
         for r in report["modes"].values():
@@ -425,7 +431,8 @@ def build_parser() -> UsageParser:
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
     p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--split", action="store_true", help="also measure the cycle's time split (eager, synced)")
+    p.add_argument("--split", action="store_true", help="also measure where a cycle's (or decode step's) time goes: compiled, "
+                   "each part beside its floor on this CPU (bench/cycle_split.py); eager, by phase with syncs")
     p.add_argument("--sweep", type=int, default=0, metavar="N",
                    help="eagle2 over the N best tree sizes by the cost model; records the fastest as this device's default (for sampling with --temperature > 0)")
     p.add_argument("--random-shape", choices=sorted(SHAPES), default=None,

@@ -165,12 +165,13 @@ ATTENDED = set()  # (rows symbolic, fused attention) of each attend_few traced i
 def record_attention(ctx):
     """At trace time (torch._dynamo.comptime: no guard, so recording does not recompile the graph)."""
     T = ctx.get_local("q").as_fake().shape[2]
-    ATTENDED.add((isinstance(T, torch.SymInt), statically_known_true(T <= model.FUSED_QUERIES)))
+    ATTENDED.add((isinstance(T, torch.SymInt), statically_known_true(T <= model.FUSED_QUERIES), statically_known_true(T <= model.KERNEL_QUERIES)))
 
 
 def test_compiled_sizing_attends_as_the_fixed_size_cycle(tmp_path, monkeypatch, tiny_args, random_model, random_head):
-    # The cycle's graphs have a static row count, so up to FUSED_QUERIES rows take attend_few's fused path (the bf16
-    # kernel); sizing's dynamic graphs must take it too, or trees are sized on an attention the cycle never runs.
+    # The cycle's graphs have a static row count, so up to FUSED_QUERIES rows take attend_few's fused loops and up to
+    # KERNEL_QUERIES the bf16 kernel; sizing's dynamic graphs must take them too, or trees are sized on an attention
+    # the cycle never runs.
     import compiling
 
     attend_few = model.attend_few
@@ -181,13 +182,14 @@ def test_compiled_sizing_attends_as_the_fixed_size_cycle(tmp_path, monkeypatch, 
         return attend_few(q, *args)
 
     monkeypatch.setattr(model, "attend_few", spy)
-    monkeypatch.setattr(sizing, "M_CHOICES", (2, 8, 24))
+    monkeypatch.setattr(sizing, "M_CHOICES", (2, 8, 24, 80))
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))  # traced here, not loaded from another test's saved graphs
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
     torch._dynamo.reset()
     ATTENDED.clear()
     sizing.measure_costs(target, head, compiling.sizing_compile(target, head))
-    assert ATTENDED == {(False, True), (True, True), (True, False)}  # the one-row step; dynamic up to 16 rows, past 16
+    # the one-row step; dynamic graphs up to 16 rows, 17-64, past 64
+    assert ATTENDED == {(False, True, True), (True, True, True), (True, False, True), (True, False, False)}
 
 
 def test_compiled_sizing_of_a_quantised_target(tmp_path, monkeypatch, tiny_args, random_model, random_head):
