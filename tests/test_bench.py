@@ -47,6 +47,34 @@ def test_bench_reports_every_mode_on_the_same_prompts(setup_dirs, capsys):
     assert "eagle2" in capsys.readouterr().out
 
 
+def test_compiled_split_puts_each_kernel_in_its_part_with_the_bytes_it_moves(setup_dirs, capsys):
+    """--split with --compile (bench/cycle_split.py): a decode step's and a cycle's parts, each with the bytes its kernels
+    move. The target's linears read every packed target weight once a step and once a cycle (the verify), the head's
+    only in the cycle. A kernel put in the wrong part, or its weight's bytes misread from its shapes, fails here (the
+    times themselves are the benchmark's to report, not a test's to assert)."""
+    import torch
+
+    from bench import cycle_split
+    from eaglet import load_target
+
+    root, prompts = setup_dirs
+    out = root / "split.json"
+    argv = ["--checkpoint", str(root / "ckpt"), "--draft", str(root / "head"), "--modes", "none,eagle2", "--prompts", str(prompts),
+            "--max-new-tokens", "12", "--num-draft-tokens", "8", "--depth", "3", "--topk", "4", "--lookup-slots", "0",
+            "--compile", "--split", "--dtype", "float32", "--json-out", str(out)]
+    assert bench.main(argv) == 0
+    modes = json.loads(out.read_text())["modes"]
+    target = load_target(root / "ckpt", dtype=torch.float32)
+    weights = sum(m.weight.numel() * 4 for m in target.modules() if isinstance(m, torch.nn.Linear)) / 1e6
+    for mode, head in (("none", False), ("eagle2", True)):
+        split = modes[mode]["split"]
+        parts = split["parts"]
+        assert list(parts) == list(cycle_split.PARTS) and split["per"] == ("cycle" if head else "decode step")
+        assert parts["target linears"]["MB"] == pytest.approx(weights, abs=0.02) and parts["target linears"]["ms"] > 0
+        assert (parts["head linears"]["MB"] > 0) == head and parts["target linears"]["floor_ms"] > 0
+    assert "where a cycle goes" in capsys.readouterr().out
+
+
 def test_bench_batch_sizes_time_each_mode_at_each_size(setup_dirs):
     root, prompts = setup_dirs
     out = root / "batches.json"
