@@ -157,14 +157,13 @@ class Generator:
 
     @torch.inference_mode()
     def warm_up(self, sampling: Sampling, log=log_stderr):
-        """A two-token answer through the steps just built or loaded, so that what only a step's first call does (the
-        loaded code's first run, its buffers' first touch) is paid here and not inside the first real answer; then the
-        compiled step or cycle timed against its eager code, and dropped if it ran slower on this machine. The random
-        state is put back, and nothing of this answer is reused."""
+        """A two-token answer through the steps just built or loaded, so that a step's first call (the loaded code's first
+        run, its buffers' first touch) is paid here, not in the first real answer; then the compiled step timed against
+        its eager code, and dropped if it ran slower here. The random state is put back; nothing of this is reused."""
         with torch.random.fork_rng(devices=[]):
             self.answer([0] * 8, 2, sampling, set())
-            drafter = self.head if self.head is not None else self.draft_model
             if self.spec:
+                drafter = self.head if self.head is not None else self.draft_model
                 self.cycle = faster(self.cycle, self.eager_cycle, (self.target, drafter, self.state, self.spec, sampling), log)
             else:
                 one = torch.ones(1, dtype=torch.long, device=self.device)

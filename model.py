@@ -161,9 +161,8 @@ class Attention(nn.Module):
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
-# CPU SDPA tiles over queries, slow when they are few (a tree verify's 16): attend_few's matmuls take half its time
-# there. Longer prompts keep SDPA (no scores in memory), training (no cache) its backward. Compiled, up to
-# FUSED_QUERIES queries take attend_few's fused loops, and up to KERNEL_QUERIES a backend's kernel where it serves.
+# CPU SDPA tiles over queries, slow when few (a verify's 16): attend_few's matmuls take half its time. Longer prompts
+# keep SDPA, training its backward. Compiled: fused loops up to FUSED_QUERIES, a backend's kernel up to KERNEL_QUERIES.
 FEW_QUERIES, FUSED_QUERIES, KERNEL_QUERIES = 256, 16, 64
 
 
@@ -173,8 +172,7 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tens
     softmax (the cache is not copied to join them); the mask covers both."""
     (B, H, T, D), n_kv, S = q.shape, k.shape[1], k.shape[2]
     G = H // n_kv
-    compiling = torch.compiler.is_compiling()
-    if compiling and statically_known_true(T <= KERNEL_QUERIES) and ops.attends(q):
+    if (compiling := torch.compiler.is_compiling()) and statically_known_true(T <= KERNEL_QUERIES) and ops.attends(q):
         return ops.attend(q.contiguous(), k, v, mask.expand(B, H, T, -1), *(tree or (k[:, :, :0], v[:, :, :0])), D**-0.5)
     fused = compiling and statically_known_true(T <= FUSED_QUERIES)
     if mask.dim() == 4:

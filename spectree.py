@@ -22,15 +22,10 @@ EAGLE1_TREE = [
 
 # ---- the value of a tree under a static prior (sizing's model, and the widths of sampling's trees) ----
 
-# Greedy, (a, ratio) fitted to the shipped SmolLM2 head's measured tau on MT-bench first turns at four trees (m60 d6 k10:
-# 3.01; m24 d4 k4, m8 d3 k4 and m6 d2 k4 with lookup slots: 2.71, 2.44, 2.22); it predicts them within 0.05, where a
-# geometric a = 0.6 predicted 4.62 at the paper's tree and led the sizing to trees larger than pay. A head whose drafts
-# are accepted more often (the paper's 7B heads: tau 4-5 at m60) is sized conservatively by it.
-RANK_ACCEPT = (0.58, 0.18)
-# When sampling, (a, ratio): the target's draw is the coupled draft's rank-r guess with probability a ratio^r. Head 12
-# on 40 MT-bench turns at T=1 (grow_coupled): 4 nodes a level took 0.66 of the first level's draws (0.42 0.17 0.07 0.03
-# sums to 0.68), where ranks 0-3 of the 10 most probable tokens held 0.50 and 0.45 0.55^r had been the prior.
-RANK_ACCEPT_SAMPLING = (0.42, 0.4)
+# (a, ratio): the target's next token is the draft's rank-r guess with probability a ratio^r. Greedy: fitted to the
+# shipped head's measured tau at four trees (tests/test_sizing.py). Sampling (coupled drafts, grow_coupled): head 12 at
+# T=1 on 40 MT-bench turns, 4 nodes a level took 0.66 of the first level's draws (0.42 0.17 0.07 0.03 sums to 0.68).
+RANK_ACCEPT, RANK_ACCEPT_SAMPLING = (0.58, 0.18), (0.42, 0.4)
 
 
 def best_first(m: int, depth: int, k: int, a: float, ratio=None) -> list:
