@@ -115,19 +115,22 @@ def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
     return h.index_select(0, st.n_pend.view(1) - 1)[0]  # a tensor index keeps the graph free of syncs
 
 
-def scratch_mask(st: SpecState, head: DraftHead, anc: Tensor) -> Tensor:
-    """Draft mask for tree nodes: the whole committed context plus their ancestors in the scratch."""
-    ctx = head.max_seq_length - anc.shape[1]
-    prefix = torch.arange(ctx, device=anc.device) < st.L
-    return torch.cat([prefix.expand(anc.shape[0], ctx), anc], dim=-1)
+def scratch_at(st: SpecState, head: DraftHead, spec: TreeSpec) -> int:
+    """The tree's first draft KV slot: right after the context where attention reads no more than it needs (a CPU:
+    model.live_width), else after the whole context's room. Slots from L wait for the next cycle's context pass."""
+    return live_width(st.L - 1, head.max_seq_length - spec.scratch)
+
+
+def scratch_mask(st: SpecState, at: int, anc: Tensor) -> Tensor:
+    """Draft mask for tree nodes: the committed context plus their ancestors in the scratch (from slot at)."""
+    return torch.cat([(torch.arange(at, device=anc.device) < st.L).expand(anc.shape[0], at), anc], dim=-1)
 
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
     Returns the tree's tokens, parents and scores (each node's summed draft log-probs). spectree.grow sees
     draft-vocabulary ids; the head reads, and the tree holds, target ids."""
-    k = spec.topk
-    ctx = head.max_seq_length - spec.scratch
+    k, ctx = spec.topk, scratch_at(st, head, spec)
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
 
     def step(level, tok, parent):
@@ -135,7 +138,7 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
         slots = ctx + (level - 1) * k + torch.arange(k, device=tok.device)
         anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
         feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k), slots,
-                                 scratch_mask(st, head, anc))
+                                 scratch_mask(st, ctx, anc))
         return F.log_softmax(logits.float(), dim=-1)
 
     root_logp = F.log_softmax(head.logits(h_root, target.output).float(), dim=-1)
@@ -147,7 +150,7 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
 def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise: Tensor):
     """EAGLE-2 when sampling: spec.widths nodes a level, ranked by draft log-probs plus the Gumbels the verify draws
     with (spectree.grow_coupled). noise [depth+1, V] in target ids. -> the tree's tokens, parents and scores."""
-    ctx, widths = head.max_seq_length - spec.scratch, spec.widths
+    ctx, widths = scratch_at(st, head, spec), spec.widths
     noise = noise[: len(widths), head.draft_vocab] if len(head.draft_vocab) else noise[: len(widths)]
     feat, anc = h_root[None], torch.zeros_like(st.scratch_eye[:1])
 
@@ -156,7 +159,7 @@ def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, s
         first, n = sum(widths[: level - 1]), tok.shape[0]
         anc = anc[parent] | st.scratch_eye[first:first + n]
         feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(n),
-                                 ctx + first + torch.arange(n, device=tok.device), scratch_mask(st, head, anc))
+                                 ctx + first + torch.arange(n, device=tok.device), scratch_mask(st, ctx, anc))
         return sampling.draft_logprobs(logits)
 
     root_logp = sampling.draft_logprobs(head.logits(h_root, target.output))
@@ -167,10 +170,8 @@ def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, s
 def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise=None):
     """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank (when sampling, ranked
     by log-probs plus the verify's Gumbels, as draft_coupled: the tree's shape is fixed, so any noise may rank it)."""
-    parents, ranks = st.static_parents, st.static_ranks
-    ctx = head.max_seq_length - spec.scratch
-    if noise is not None:
-        noise = noise[:, head.draft_vocab] if len(head.draft_vocab) else noise
+    parents, ranks, ctx = st.static_parents, st.static_ranks, scratch_at(st, head, spec)
+    noise = noise[:, head.draft_vocab] if noise is not None and len(head.draft_vocab) else noise
 
     def ranked(logits, level):
         return logits if noise is None else sampling.draft_logprobs(logits) + noise[level - 1]
@@ -186,7 +187,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
             break
         nodes = torch.arange(first, last, device=tok.device)
         pos = (st.L - 1 + level).expand(last - first)
-        mask = scratch_mask(st, head, st.static_anc[nodes - 1])
+        mask = scratch_mask(st, ctx, st.static_anc[nodes - 1])
         feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
         top = head.target_ids(torch.topk(ranked(logits, level + 1), spec.topk).indices)
     return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value

@@ -2,7 +2,8 @@
 # --compile; a decode step's for vanilla). torch's profiler sees eaglet's kernels as torch ops with their shapes (every
 # linear, attention, the draws, the tree's top-k) and Inductor's fused loops not at all: those, with the C++ wrapper
 # between calls, are "other kernels"; what the Generator's Python loop adds between compiled calls (reading the
-# committed tokens, building the next call) is "host". A part's floor is the longer of its bytes at the rate eaglet's
+# committed tokens, building the next call) is "host", and the head's eager pass over each prompt before the first
+# cycle, shared among the answer's cycles, "head prompt pass". A part's floor is the longer of its bytes at the rate eaglet's
 # kernel streams the target's weights from memory here and its FLOPs at the rate the kernel reaches on a weight held
 # in cache (AMX tiles where the CPU has them): what the part would cost if it only moved its data once and multiplied.
 import time
@@ -14,7 +15,7 @@ from torch.profiler import ProfilerActivity, profile
 from tokenizer import encode_prompt
 
 PARTS = ("target linears", "target attention", "draws", "head linears", "head attention", "tree selection",
-         "other kernels", "host")
+         "other kernels", "host", "head prompt pass")
 TREE_OPS = ("topk", "sort", "cumsum")  # the draft tree's selection
 
 
@@ -31,6 +32,17 @@ def rates(target, reps: int = 5) -> dict:
         hot = min(seconds(lambda: [big(x16) for _ in range(n)]) for _ in range(reps)) / n
     return {"GB/s": sum(m.packed.numel() * m.packed.element_size() for m in layers) / stream / 1e9,  # packed: what is read
             "GFLOP/s": 2 * 16 * big.weight.numel() / hot / 1e9}
+
+
+def timed(fn, total: list):
+    """fn, its seconds added to total[0] at each call."""
+    def run(*args, **kw):
+        t0 = time.perf_counter()
+        try:
+            return fn(*args, **kw)
+        finally:
+            total[0] += time.perf_counter() - t0
+    return run
 
 
 def seconds(fn) -> float:
@@ -98,11 +110,15 @@ def split(gen, tokenizer, prompts: list, max_new_tokens: int, sampling) -> dict:
     profiler's own cost falls out)."""
     encoded = [encode_prompt(tokenizer, gen.target.args, [{"role": "user", "content": p}]) for p in prompts]
     gen.generate(encoded[0], max_new_tokens, sampling)  # built and warm
-    whole, steps = 0.0, 0
+    whole, steps, begin = 0.0, 0, [0.0]
+    if gen.spec:  # the head's pass over the prompt (Generator._start), between the prefill and the first cycle
+        gen._start = timed(gen._start, begin)
     for p in encoded:
         r = gen.generate(p, max_new_tokens, sampling, stop_ids=set())
         whole += r.seconds - r.prefill_seconds
         steps += r.cycles if gen.spec else len(r.token_ids) - 1
+    vars(gen).pop("_start", None)
+    whole -= begin[0]
     per = max(steps // len(encoded), 1)
     n, alone, events = per * len(encoded), 0.0, []
     for p in encoded:
@@ -124,9 +140,10 @@ def split(gen, tokenizer, prompts: list, max_new_tokens: int, sampling) -> dict:
             work[where][1] += f / n
     ms["other kernels"] = max(0.0, 1000 * alone / n - sum(ms.values()))
     ms["host"] = max(0.0, 1000 * whole / steps - 1000 * alone / n)
+    ms["head prompt pass"] = 1000 * begin[0] / steps
     r = rates(gen.target)
     floors = {k: max(b / r["GB/s"] / 1e6, f / r["GFLOP/s"] / 1e6) for k, (b, f) in work.items()}
-    return {"per": "cycle" if gen.spec else "decode step", "steps": steps, "ms": round(1000 * whole / steps, 3),
+    return {"per": "cycle" if gen.spec else "decode step", "steps": steps, "ms": round(1000 * (whole + begin[0]) / steps, 3),
             "rates": {k: round(v, 1) for k, v in r.items()},
             "parts": {k: {"ms": round(ms.get(k, 0.0), 3), "floor_ms": round(floors.get(k, 0.0), 3),
                           "MB": round(work[k][0] / 1e6, 2), "GFLOP": round(work[k][1] / 1e9, 3)} for k in PARTS}}
