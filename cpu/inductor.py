@@ -28,7 +28,7 @@ import ops
 import quant
 import tp
 from compiling import compiled
-from cpu import linears
+from cpu import kernels, linears
 from model import KVCache, ModelArgs, Transformer, causal_mask, one_line
 from progress import ticking
 
@@ -276,7 +276,10 @@ def package_key(name: str, args: tuple, dynamic, layered: bool = False) -> str:
     import torch._inductor.config as inductor_config
 
     settings = {k: getattr(inductor_config, k) for k in CPU_INDUCTOR}
-    parts = [name, f"dynamic {dynamic} layered {layered}", machine(), source_digest(), repr(sorted(settings.items()))] + [describe(a) for a in args]
+    # Whether the bf16 kernels are registered in this process decides what the trace calls (ops.attend, ops.argmax): a
+    # step traced with them must not load where they are not (a process that never prepared a bf16 model).
+    parts = [name, f"dynamic {dynamic} layered {layered}", machine(), source_digest(), repr(sorted(settings.items())),
+             f"kernels {kernels.BUILT}"] + [describe(a) for a in args]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
 
 

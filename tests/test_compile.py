@@ -14,8 +14,9 @@ import torch._dynamo
 import torch._inductor.config as inductor_config
 from torch._inductor.utils import run_and_get_code
 
+import generator
 import spectree
-from cpu import inductor
+from cpu import inductor, kernels
 from eaglet import Generator
 from sampling import Sampling
 from speculate import TreeSpec
@@ -197,6 +198,30 @@ def test_the_warm_up_after_a_build_puts_the_random_state_back_and_leaves_nothing
     assert again.prefilled == len(prompt) and again.token_ids == first.token_ids
 
 
+def test_a_compiled_vanilla_answer_runs_one_graph_and_compiles_nothing_inside_its_loop(tiny_args, random_model, single_thread):
+    """N tokens of compiled vanilla decoding: Dynamo traces and Inductor compiles nothing once the answer has started
+    (its counters stand still), the decode step is called N - 1 times and every call runs the one compiled graph the
+    build made, never the eager function (a step that fell back or recompiled inside the loop would show here), and a
+    compiled step that ran slower than eager at warm-up would be dropped for eager: on the tiny model it is not."""
+    from torch._dynamo.utils import counters
+
+    gen = Generator(random_model(tiny_args(), seed=0), compile=True)
+    gen.build(Sampling())
+    step, calls, eager_calls = gen.decode_one, [], []
+    assert step is not generator.decode_one  # the compiled step was kept
+    gen.decode_one = lambda *a: calls.append(1) or step(*a)
+    monkey = generator.decode_one
+    generator.decode_one = lambda *a: eager_calls.append(1) or monkey(*a)
+    try:
+        before = (dict(counters["stats"]), dict(counters["inductor"]))
+        n = 40
+        out = gen.generate(prompts([9])[0], n, Sampling(), stop_ids=set())
+        assert len(out.token_ids) == n and len(calls) == n - 1 and not eager_calls
+        assert (dict(counters["stats"]), dict(counters["inductor"])) == before
+    finally:
+        generator.decode_one = monkey
+
+
 @pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)], ids=["none", "eagle2"])
 def test_a_regrown_cache_still_recompiles_the_steps(tiny_args, random_model, random_head, single_thread, spec, lazy_compile):
     # Caches reallocated for a longer answer must send every compiled step to a new graph, never replay the old one
@@ -224,6 +249,9 @@ from sampling import Sampling
 from speculate import TreeSpec
 
 torch.set_num_threads(1)
+if sys.argv[2:] == ["kernels"]:  # the bf16 kernels registered, as after preparing a bf16 model
+    from cpu import kernels
+    kernels.build()
 args = _tiny_args()
 target, head = _random_model(args, 0), _random_head(args, 1)
 spec = dict(none=None, eagle2=TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3))[sys.argv[1]]
@@ -238,10 +266,10 @@ print(json.dumps({{"compile_s": gen.compile_seconds, "tokens": tokens, "eager": 
 """
 
 
-def run_warm_start(cache: Path, mode: str) -> tuple:
+def run_warm_start(cache: Path, mode: str, *extra) -> tuple:
     env = dict(os.environ, EAGLET_CACHE=str(cache))
     script = WARM_START.format(repo=str(REPO), tests=str(REPO / "tests"))
-    r = subprocess.run([sys.executable, "-c", script, mode], env=env, capture_output=True, text=True)
+    r = subprocess.run([sys.executable, "-c", script, mode, *extra], env=env, capture_output=True, text=True)
     assert r.returncode == 0, r.stderr[-3000:]
     out = json.loads(r.stdout.strip().splitlines()[-1])
     assert out["tokens"] == out["eager"] and out["graphs_in_answers"] == 0  # fp32 greedy: the eager tokens; nothing compiled mid-answer
@@ -270,6 +298,18 @@ def test_a_second_process_loads_the_compiled_steps_and_a_damaged_one_is_rebuilt(
     assert len(warnings) == 2 and all("compiling it again" in w for w in warnings), warnings
     assert any(str(second) in w and "does not match" in w for w in warnings), warnings
     assert run_warm_start(tmp_path, mode)[0]["compile_s"] == 0  # rebuilt whole
+
+
+@pytest.mark.skipif(not kernels.cpu_has_bf16_dot(), reason="needs the bf16 kernels (AVX512-BF16)")
+def test_a_step_traced_with_the_bf16_kernels_is_not_loaded_where_they_are_not_registered(tmp_path):
+    """A process that prepared a bf16 model has eaglet's kernels registered, and an fp32 step it traces calls them
+    (the draws); a process that never did has no such ops, so that step's package must not be its own: it compiles
+    its own, and both decode the eager tokens. Keyed without the kernels, the second process failed inside the answer
+    (aoti_torch_call_dispatcher("eaglet::argmax") failed)."""
+    with_kernels, _ = run_warm_start(tmp_path, "none", "kernels")
+    without, _ = run_warm_start(tmp_path, "none")
+    assert with_kernels["compile_s"] > 0 and without["compile_s"] > 0 and without["tokens"] == with_kernels["tokens"]
+    assert len(list((tmp_path / inductor.PACKAGES).glob("decode_step-*.pt2"))) == 2
 
 
 COMPILE_MAX = """
