@@ -1,5 +1,6 @@
-# Benchmark prompts: MT-bench-format jsonl, the 80 MT-bench questions by default (data/mt_bench.jsonl). bench.py
-# and calibration.py time and measure on them; distill.py keeps them out of the data a head is trained on.
+# Benchmark prompts: MT-bench-format jsonl, the 80 MT-bench questions by default (data/mt_bench.jsonl), and 12 coding and
+# maths questions (data/code_math.jsonl). bench.py and calibration.py time and measure on them; distill.py keeps both
+# out of the data a head is trained on.
 import json
 from pathlib import Path
 
@@ -7,6 +8,7 @@ from checkpoint import UsageError, check_text
 from model import one_line
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench.jsonl"
+CODE_MATH = MT_BENCH.with_name("code_math.jsonl")  # 12 coding and maths questions: a benchmark of another kind of text
 
 
 def load_conversations(path=MT_BENCH, limit=None) -> list:

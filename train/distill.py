@@ -30,7 +30,7 @@ import ops
 from checkpoint import UsageError
 from cpu import linears
 from model import Transformer, causal_mask, eagle3_taps, find_multiple
-from prompts import MT_BENCH, load_conversations
+from prompts import CODE_MATH, MT_BENCH, load_conversations
 from sampling import sample
 from tokenizer import encode_prompt, format_chat
 
@@ -221,8 +221,10 @@ class Holdout:
     it (n = 8, or the whole request when shorter), case and punctuation ignored."""
 
     def __init__(self, path: Optional[Path], n: int = 8):
+        """path: a benchmark file, kept out beside the project's own (prompts.CODE_MATH); None keeps nothing out."""
         self.n, self.grams, self.whole = n, set(), set()
-        for turns in load_conversations(path) if path else []:
+        paths = [path] + [CODE_MATH] * (path is not None and Path(path) != CODE_MATH and CODE_MATH.exists())
+        for turns in (t for p in paths if p for t in load_conversations(p)):
             for turn in turns:
                 w = words(turn)
                 self.whole.add(" ".join(w))

@@ -402,7 +402,8 @@ HELP = {
     "data_dir": "requests, conversations and feature shards (several runs may share one); default: --out. With "
                 "--train-only, several directories joined by os.pathsep (':'), e.g. two data jobs run side by side",
     "prompts": "jsonl of requests ('prompt' or 'turns'); default: the target writes them",
-    "holdout": "MT-bench-format jsonl whose questions self-written requests must not match (default: data/mt_bench.jsonl)",
+    "holdout": "MT-bench-format jsonl whose questions self-written requests must not match, beside data/code_math.jsonl's "
+               "(default: data/mt_bench.jsonl)",
     "gen_batch": "rows generated at once",
     "feature_tokens": "tokens per feature forward (rows x longest row)",
     "shard_convs": "conversations per feature shard",
