@@ -10,6 +10,7 @@ import sampling
 from checkpoint import load_model
 from tokenizer import encode_prompt
 from model import eagle3_taps
+from prompts import CODE_MATH, load_conversations
 from test_train_draft import write_tiny_checkpoint
 from tokenizer import load_tokenizer
 
@@ -60,6 +61,8 @@ def test_holdout_drops_benchmark_questions(tmp_path):
     assert "Write an engaging travel blog post about a trip to Paris." not in holdout
     assert "Rewrite this sentence" not in holdout
     assert "x" not in distill.Holdout(None)
+    code_math = load_conversations(CODE_MATH)[0][0]  # the project's other benchmark is kept out beside any file
+    assert code_math in holdout and code_math not in distill.Holdout(None)
 
 
 @pytest.fixture(scope="module")

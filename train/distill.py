@@ -223,8 +223,8 @@ class Holdout:
     def __init__(self, path: Optional[Path], n: int = 8):
         """path: a benchmark file, kept out beside the project's own (prompts.CODE_MATH); None keeps nothing out."""
         self.n, self.grams, self.whole = n, set(), set()
-        paths = [path] + [CODE_MATH] * (path is not None and Path(path) != CODE_MATH and CODE_MATH.exists())
-        for turns in (t for p in paths if p for t in load_conversations(p)):
+        paths = [] if path is None else [path, CODE_MATH] if CODE_MATH.exists() else [path]  # one read twice adds nothing
+        for turns in (t for p in paths for t in load_conversations(p)):
             for turn in turns:
                 w = words(turn)
                 self.whole.add(" ".join(w))
