@@ -45,19 +45,23 @@ def test_fp32_rows_linear_in_eager_vmapped_and_compiled_passes():
     layer = linears.pack_linear(copy.deepcopy(linear))
     assert type(layer) is linears.RowsLinear and layer.packed.dtype == torch.float32
     assert linears.packed_kernel(layer) == "fp32 rows kernel"
-    x = torch.randn(3, 5, 64)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(torch.vmap(layer)(x), linear(x), rtol=1e-5, atol=1e-5)
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=False):
-            out, (code, *_) = run_and_get_code(torch.compile(layer, fullgraph=True), x)
-        torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
-        assert "rows_mm_fp32" in code
+        assert_the_product_every_way(layer, linear, torch.randn(3, 5, 64), "rows_mm_fp32")
         layer.packed = torch.zeros_like(layer.packed)
         many = torch.randn(linears.GEMM_ROWS, 64)
         torch.testing.assert_close(layer(many), linear(many), rtol=1e-5, atol=1e-5)
         assert torch.equal(layer(many[:-1]), linear.bias.expand(linears.GEMM_ROWS - 1, 48))
+
+
+def assert_the_product_every_way(layer, linear, x, kernel: str):
+    """layer(x) is linear(x) eagerly, under vmap and compiled, and the compiled graph calls kernel."""
+    torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(torch.vmap(layer)(x), linear(x), rtol=1e-5, atol=1e-5)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=False):
+        out, (code, *_) = run_and_get_code(torch.compile(layer, fullgraph=True), x)
+    torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
+    assert kernel in code
 
 
 def gguf_weights(shape, qtype: str, seed: int = 0) -> torch.Tensor:
@@ -107,15 +111,8 @@ def test_a_linear_with_block_codes_runs_on_them_in_eager_vmapped_and_compiled_pa
     assert type(layer) is linears.RowsLinear and layer.packed.dtype == torch.int8 and layer.scales is not None
     assert linears.packed_kernel(layer) == linears.packed_kernel(linear) == "fp32 rows kernel over block codes"
     assert linears.packed_kernel(nn.Linear(576, 64)) == "fp32 rows kernel"
-    x = torch.randn(3, 5, 576)
     with torch.no_grad():
-        torch.testing.assert_close(layer(x), linear(x), rtol=1e-5, atol=1e-5)
-        torch.testing.assert_close(torch.vmap(layer)(x), linear(x), rtol=1e-5, atol=1e-5)
-        torch._dynamo.reset()
-        with torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=False):
-            out, (code, *_) = run_and_get_code(torch.compile(layer, fullgraph=True), x)
-        torch.testing.assert_close(out, linear(x), rtol=1e-5, atol=1e-5)
-        assert "rows_mm_codes" in code
+        assert_the_product_every_way(layer, linear, torch.randn(3, 5, 576), "rows_mm_codes")
 
 
 def test_compile_auto_times_a_target_with_block_codes_over_codes(tiny_args):
