@@ -514,9 +514,12 @@ runpy.run_path("generate.py", run_name="__main__")
 
 
 def start(argv: list, stdin=subprocess.DEVNULL) -> subprocess.Popen:
-    # A process group of its own (start_new_session): Ctrl-C in a terminal reaches the whole group, children too.
+    # A process group of its own (start_new_session): Ctrl-C in a terminal reaches the whole group, children too. SIGINT
+    # at its default, as a terminal's shell starts a command, even where the suite itself runs as a background job (which
+    # a shell starts with SIGINT ignored, and an ignored signal stays ignored through exec).
     return subprocess.Popen([sys.executable, *map(str, argv)], cwd=REPO, stdin=stdin, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, start_new_session=True)
+                            stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
 
 
 def wait_for_line(proc, text: str, timeout: float = 300) -> list:
