@@ -103,6 +103,18 @@ def test_train_only_uses_the_featurised_data_and_writes_none(trained, tmp_path):
     assert train_draft.main([*argv, "--train-only", "--data-only"]) == 2
 
 
+def test_a_fraction_of_an_epoch_trains_that_share_with_the_rate_decaying_over_it(trained, tmp_path, capsys):
+    ckpt, out, *_ = trained
+    argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path), *TRAIN_ARGS, "--train-only", "--warmup-steps", "1"]
+    assert train_draft.main([*argv, "--epochs", "2.5"]) == 0
+    lrs = [json.loads(line)["lr"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
+    assert len(lrs) == 8  # ceil(2.5 x 3 steps)
+    assert lrs[-1] == pytest.approx(3e-3 / 7)  # the linear decay ends at the shortened run's last step
+    capsys.readouterr()
+    assert train_draft.main([*argv, "--epochs", "0"]) == 2
+    assert capsys.readouterr().err.strip() == "error: --epochs must be > 0"
+
+
 def test_train_only_reads_every_data_dir_listed(trained, tmp_path, capsys):
     # two data jobs side by side each write their own directory; training reads both, joined as PATH is
     ckpt, out, *_ = trained

@@ -52,7 +52,7 @@ from weights import load_head, save_head
 @dataclass
 class TrainConfig(DataConfig):  # the data fields (requests, answers, features) are distill.DataConfig's
     checkpoint: Optional[Path] = None  # None: the embedded default model
-    epochs: int = 10
+    epochs: float = 10  # a fraction trains on that share of one epoch's batches, the rate decaying over them
     batch_size: int = 8  # conversations per step
     lr: float = 3e-4
     warmup_steps: int = 100
@@ -357,7 +357,7 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     in_draft = torch.zeros(len(lm_full), dtype=torch.bool, device=lm_full.device).index_fill_(0, head.draft_vocab.to(lm_full.device), True)
     loss_fn = ttt_loss if cfg.arch == "eagle3" else head_loss
     per_epoch = math.ceil(len(data) / cfg.batch_size)
-    total = cfg.epochs * per_epoch
+    total = math.ceil(cfg.epochs * per_epoch)
     torch.manual_seed(cfg.seed + step)
     bar = tqdm(total=total, initial=step, desc="train", unit="step", file=sys.stderr)
     ema, seen_tokens, t0 = None, 0, time.perf_counter()
@@ -416,6 +416,7 @@ HELP = {
     "noise": "uniform noise half-width on input features",
     "clip": "gradient clipping by value",
     "save_every": "steps between checkpoints",
+    "epochs": "passes over the data; a fraction (0.5) trains on that share of one pass, the rate decaying over it",
     "max_seconds": "stop cleanly after this long (rerun, with --resume once training started)",
     "resume": "continue training from --out/train_state.pt",
     "data_only": "stop once the data is written (rerun to continue it)",
@@ -451,10 +452,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def check_config(cfg: TrainConfig):
-    for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "feature_tokens", "shard_convs", "epochs",
+    for name in ("num_prompts", "max_request_tokens", "max_answer_tokens", "gen_batch", "feature_tokens", "shard_convs",
                  "batch_size", "save_every", "head_layers"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
+    if not cfg.epochs > 0:
+        raise UsageError("--epochs must be > 0")
     if (cfg.freeze_init or cfg.init_vocab) and not cfg.init:
         raise UsageError("--freeze-init and --init-vocab need --init")
     if (cfg.head_layers != 1 or cfg.token_table) and cfg.arch != "eagle":
