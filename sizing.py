@@ -6,6 +6,7 @@
 # Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
 # draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
 # probabilities, and a cycle commits 1 + the sum over its m nodes. The tree holds the m most valuable nodes.
+import hashlib
 import time
 from itertools import product
 
@@ -249,7 +250,7 @@ CACHE = "tree_sizes.json"
 
 def valid_costs(entry: dict) -> bool:
     """A cached cost entry as measure_costs writes it (and record_sweep's trees): anything else is measured again."""
-    verify, trees = entry["verify"], [entry[k] for k in (swept_key(False), swept_key(True)) if k in entry]
+    verify, trees = entry["verify"], [v for k, v in entry.items() if k.startswith("swept")]
     return (cachedir.number(entry["decode_ms"]) and len(verify) >= 2 and all(int(t) > 0 and cachedir.number(r) for t, r in verify.items())
             and all(cachedir.number(entry["level"][k]) for k in ("4", "10"))
             and all(len(t) == 3 and all(isinstance(x, int) and x > 0 for x in t) for t in trees))
@@ -272,16 +273,27 @@ def device_costs(target, head, log=print, compile_fn=None) -> dict:
     return entry
 
 
-def swept_key(sampling: bool) -> str:
-    # Greedy decoding and sampling each get their own tree; sampling's sweeps before its trees were coupled to the draws
-    # (spectree.grow_coupled) were recorded as "swept sampling" and no longer count.
-    return "swept coupled sampling" if sampling else "swept"
+def swept_key(sampling: bool, head) -> str:
+    # Greedy decoding and sampling each get their own tree, and each head: a sweep's winner rides on the head's tau, so
+    # a retrained head of the same shape goes back to the cost model. Sampling's sweeps before its trees were coupled to
+    # the draws (spectree.grow_coupled) were recorded as "swept sampling" and no longer count.
+    return f"{'swept coupled sampling' if sampling else 'swept'} {head_digest(head)}"
+
+
+def head_digest(head) -> str:
+    """A digest of the head's weights as saved (its state dict: the same however its linears are packed)."""
+    h = hashlib.sha1()
+    for name, t in sorted(head.state_dict().items()):
+        h.update(name.encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()[:16]
 
 
 def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False):
-    """bench.py --sweep's measured winner, which then replaces the cost model's choice (for sampling if it sampled)."""
+    """bench.py --sweep's measured winner, which then replaces the cost model's choice (for sampling if it sampled)
+    while the head is the one it ran with."""
     key = cache_key(target, head, compiled)
-    cachedir.store(CACHE, key, cachedir.read(CACHE).get(key, {}) | {swept_key(sampling): list(best)})
+    cachedir.store(CACHE, key, cachedir.read(CACHE).get(key, {}) | {swept_key(sampling, head): list(best)})
 
 
 def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1,
@@ -290,7 +302,8 @@ def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn
     if there is one and nothing is given, else the cost model's best around whatever is given. Times the device the first
     time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
-    if swept_key(sampling) in costs and not (m or depth or k) and batch == 1:
-        return tuple(costs[swept_key(sampling)])
+    swept = any(key.startswith("swept") for key in costs) and not (m or depth or k) and batch == 1 and swept_key(sampling, head)
+    if swept in costs:
+        return tuple(costs[swept])
     vocab = len(head.draft_vocab) or target.args.vocab_size
     return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling, vocab=vocab)[0]

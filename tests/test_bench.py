@@ -133,7 +133,8 @@ def test_sweep_measures_trees_and_records_the_fastest(setup_dirs, tmp_path, monk
     assert report["best"] == fastest
     cache = json.loads((tmp_path / "tree_sizes.json").read_text())
     (entry,) = cache.values()
-    assert entry["swept"] == [fastest["num_draft_tokens"], fastest["depth"], fastest["topk"]]
+    (swept,) = [v for k, v in entry.items() if k.startswith("swept ")]  # named by the head's digest
+    assert swept == [fastest["num_draft_tokens"], fastest["depth"], fastest["topk"]]
 
 
 def test_random_shape_times_a_cycle_against_a_decode_step(tmp_path, capsys):

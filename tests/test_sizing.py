@@ -35,10 +35,12 @@ def test_expected_tau_grows_with_the_tree_and_stays_bounded(a):
     assert sizing.expected_tau(1, 6, 10, a) == pytest.approx(1 + a)  # the draft's top-1 child
 
 
-def test_the_greedy_prior_predicts_the_shipped_head_s_measured_tau():
-    """tau of the shipped head on MT-bench first turns (docs/results.md) at four trees, the three small ones with their
-    lookup slots (worth about 0.03 here): the prior the sizing ranks trees by must predict each within 0.1. The geometric
-    prior a = 0.6 it replaced said 4.62 at the paper's tree, where the head measured 3.01."""
+def test_the_greedy_prior_predicts_the_measured_tau_it_was_fitted_to():
+    """tau of head 12 on MT-bench first turns (docs/results.md) at four trees, the three small ones with their lookup
+    slots (worth about 0.03 here): the prior the sizing ranks trees by must predict each within 0.1. The geometric
+    prior a = 0.6 it replaced said 4.62 at the paper's tree, where the head measured 3.01. Head 13 measures higher at
+    every tree (3.13 at the paper's); on the Xeon AMX's costs a prior fitted to it ranks the tree this one picks, m8 d3 k4,
+    within 0.3% of its best (m8 d4 k4)."""
     for (m, depth, k), tau in {(60, 6, 10): 3.01, (24, 4, 4): 2.71, (8, 3, 4): 2.44, (6, 2, 4): 2.22}.items():
         assert sizing.expected_tau(m, depth, k) == pytest.approx(tau - 0.03 * (m < 60), abs=0.1), (m, depth, k)
 
@@ -109,6 +111,8 @@ def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tin
     assert sizing.measure_tree(target, head, sampling=True) != (2, 2, 10)
     sizing.record_sweep(target, head, (2, 2, 10), sampling=True)  # a sweep at T > 0 keeps the greedy one
     assert sizing.measure_tree(target, head, sampling=True) == (2, 2, 10) and sizing.measure_tree(target, head) == (4, 2, 4)
+    retrained = random_head(tiny_args(), seed=2)  # the same shape, other weights: the sweeps were not its own
+    assert sizing.measure_tree(target, retrained) == first
     # The sized tree runs: a generator built from it reproduces vanilla decoding.
     m, depth, k = first
     prompt = list(range(5))
@@ -230,9 +234,9 @@ def test_sampling_gets_a_shallower_tree_of_its_own_and_no_lookup_slots(tiny_args
         return spec.num_draft_tokens, spec.depth, spec.topk, spec.lookup_slots
 
     assert tree(sampling=True) == (*sampled, 0) and tree(lookup_slots=0) == (*greedy, 0) and tree()[3] > 0
-    costs["swept"] = [8, 3, 4]
+    costs[sizing.swept_key(False, head)] = [8, 3, 4]
     assert tree(sampling=True) == (*sampled, 0) and tree() == (8, 3, 4, 3)
-    costs[sizing.swept_key(True)] = [8, 2, 10]
+    costs[sizing.swept_key(True, head)] = [8, 2, 10]
     assert tree(sampling=True) == (8, 2, 10, 0) and tree(sampling=True, lookup_slots=2) == (8, 2, 10, 2) and tree() == (8, 3, 4, 3)
 
 
