@@ -302,8 +302,9 @@ def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn
     if there is one and nothing is given, else the cost model's best around whatever is given. Times the device the first
     time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
-    swept = any(key.startswith("swept") for key in costs) and not (m or depth or k) and batch == 1 and swept_key(sampling, head)
-    if swept in costs:
-        return tuple(costs[swept])
+    if not (m or depth or k) and batch == 1 and any(key.startswith("swept") for key in costs):  # the digest only then
+        swept = swept_key(sampling, head)
+        if swept in costs:
+            return tuple(costs[swept])
     vocab = len(head.draft_vocab) or target.args.vocab_size
     return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling, vocab=vocab)[0]

@@ -110,9 +110,10 @@ def test_a_fraction_of_an_epoch_trains_that_share_with_the_rate_decaying_over_it
     lrs = [json.loads(line)["lr"] for line in (tmp_path / "train_log.jsonl").read_text().splitlines()]
     assert len(lrs) == 8  # ceil(2.5 x 3 steps)
     assert lrs[-1] == pytest.approx(3e-3 / 7)  # the linear decay ends at the shortened run's last step
-    capsys.readouterr()
-    assert train_draft.main([*argv, "--epochs", "0"]) == 2
-    assert capsys.readouterr().err.strip() == "error: --epochs must be > 0"
+    for bad in ("0", "inf", "nan"):
+        capsys.readouterr()
+        assert train_draft.main([*argv, "--epochs", bad]) == 2
+        assert capsys.readouterr().err.strip() == "error: --epochs must be a finite number > 0"
 
 
 def test_train_only_reads_every_data_dir_listed(trained, tmp_path, capsys):

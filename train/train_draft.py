@@ -456,8 +456,8 @@ def check_config(cfg: TrainConfig):
                  "batch_size", "save_every", "head_layers"):
         if getattr(cfg, name) < 1:
             raise UsageError(f"--{name.replace('_', '-')} must be >= 1")
-    if not cfg.epochs > 0:
-        raise UsageError("--epochs must be > 0")
+    if not 0 < cfg.epochs < math.inf:
+        raise UsageError("--epochs must be a finite number > 0")
     if (cfg.freeze_init or cfg.init_vocab) and not cfg.init:
         raise UsageError("--freeze-init and --init-vocab need --init")
     if (cfg.head_layers != 1 or cfg.token_table) and cfg.arch != "eagle":
