@@ -66,7 +66,7 @@ def unpack(corpus: Path, data: Path) -> int:
     return len(convs)
 
 
-def main(argv=None) -> int:
+def build_parser() -> UsageParser:
     p = UsageParser(description="Pack a self-distilled data set's conversations into a corpus file, or unpack one.")
     sub = p.add_subparsers(dest="command", required=True)
     a = sub.add_parser("pack", help="data directories (joined by ':') -> a .jsonl.xz corpus")
@@ -75,8 +75,12 @@ def main(argv=None) -> int:
     b = sub.add_parser("unpack", help="a .jsonl.xz corpus -> a new data directory")
     b.add_argument("corpus", type=Path)
     b.add_argument("data_dir", type=Path)
+    return p
+
+
+def main(argv=None) -> int:
     try:
-        opts = p.parse_args(argv)
+        opts = build_parser().parse_args(argv)
         if opts.command == "pack":
             dirs = [Path(d) for d in opts.data_dirs.split(os.pathsep) if d]
             for d in dirs:
