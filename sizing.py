@@ -6,7 +6,6 @@
 # Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
 # draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
 # probabilities, and a cycle commits 1 + the sum over its m nodes. The tree holds the m most valuable nodes.
-import hashlib
 import time
 from itertools import product
 
@@ -16,6 +15,7 @@ import cachedir
 import dtypes
 import ops
 import tp
+import weights
 from checkpoint import UsageError
 from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
@@ -282,11 +282,7 @@ def swept_key(sampling: bool, head) -> str:
 
 def head_digest(head) -> str:
     """A digest of the head's weights as saved (its state dict: the same however its linears are packed)."""
-    h = hashlib.sha1()
-    for name, t in sorted(head.state_dict().items()):
-        h.update(name.encode())
-        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-    return h.hexdigest()[:16]
+    return weights.digest(sorted(head.state_dict().items()))
 
 
 def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False):

@@ -23,8 +23,8 @@ EAGLE1_TREE = [
 # ---- the value of a tree under a static prior (sizing's model, and the widths of sampling's trees) ----
 
 # (a, ratio): the target's next token is the draft's rank-r guess with probability a ratio^r. Greedy: fitted to
-# head 12's measured tau at four trees (tests/test_sizing.py; head 13 measures higher at each). Sampling (coupled drafts, grow_coupled): head 12 at
-# T=1 on 40 MT-bench turns, 4 nodes a level took 0.66 of the first level's draws (0.42 0.17 0.07 0.03 sums to 0.68).
+# head 12's tau at four trees (tests/test_sizing.py; head 13's is higher). Sampling (coupled drafts, grow_coupled):
+# head 12 at T=1 on 40 MT-bench turns, 4 nodes a level took 0.66 of the first level's draws (0.42+0.17+0.07+0.03).
 RANK_ACCEPT, RANK_ACCEPT_SAMPLING = (0.58, 0.18), (0.42, 0.4)
 
 

@@ -1,5 +1,6 @@
 # Reading and writing weights: safetensors state dicts (a pickle only as weights_only), and EAGLE heads' directories
 # (config.json beside model.safetensors), checked against the target they draft for.
+import hashlib
 import json
 import pickle
 from pathlib import Path
@@ -24,6 +25,15 @@ def load_state(path: Path) -> dict:
         return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except (SafetensorError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path} is truncated or not a weights file ({one_line(e)})") from None
+
+
+def digest(named_tensors) -> str:
+    """A digest of (name, tensor) pairs: names, dtypes, shapes and bytes, in the order given."""
+    h = hashlib.blake2b(digest_size=16)
+    for name, t in named_tensors:
+        h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
+        h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
+    return h.hexdigest()
 
 
 def save_head(head: DraftHead, out_dir):

@@ -27,6 +27,7 @@ import dtypes
 import ops
 import quant
 import tp
+import weights
 from compiling import compiled
 from cpu import kernels, linears
 from model import KVCache, ModelArgs, Transformer, causal_mask, one_line
@@ -161,14 +162,11 @@ class FrozenWeights(CustomGraphPass):
     shapes would run on another's weights. The KV caches, which the steps write, are not weights."""
 
     def __init__(self, *models):
-        h = hashlib.blake2b(digest_size=16)
-        for model in filter(None, models):
+        def frozen(model):
             caches = {id(b) for m in model.modules() if isinstance(m, KVCache) for b in m.buffers()}
-            for name, t in itertools.chain(model.named_parameters(), model.named_buffers()):
-                if id(t) not in caches:
-                    h.update(f"{name} {t.dtype} {tuple(t.shape)}".encode())
-                    h.update(t.detach().cpu().contiguous().view(-1).view(torch.uint8).numpy())
-        self.digest = h.hexdigest()
+            return [(name, t) for name, t in itertools.chain(model.named_parameters(), model.named_buffers()) if id(t) not in caches]
+
+        self.digest = weights.digest(pair for model in filter(None, models) for pair in frozen(model))
 
     def __call__(self, graph):
         pass
