@@ -1,6 +1,6 @@
 # The seam between the algorithm and a backend: the few operations a backend may replace, and the hooks through which
 # it readies the models and compiles the steps. What is here is plain torch and runs anywhere; cpu/ (imported by the
-# loading code, eaglet.py) registers its kernels and its preparation with register(). model.py and sampling.py call
+# loading code, eaglet.py) registers its kernels and its preparation with register(). The algorithm's files call
 # these, never a kernel.
 import contextlib
 
@@ -19,6 +19,10 @@ def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree_k: Tensor, tree_v
 
 def argmax(logits: Tensor) -> Tensor:
     return torch.argmax(logits, dim=-1)
+
+
+def topk(x: Tensor, k: int) -> tuple:
+    return torch.topk(x, k, dim=-1)  # (values, indices) of each row's k largest, descending: the draft tree's choice
 
 
 def samples(logits: Tensor) -> bool:

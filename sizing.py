@@ -228,9 +228,9 @@ def device_name(device) -> str:
 # cache with attend_few's matmuls instead of SDPA, half the attention time; 3: sizes up to FUSED_QUERIES are timed
 # with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
 # of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
-# layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel), so older
-# measurements are not reused.
-COSTS_VERSION = 7
+# layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel; 8: a draft level's
+# top-k on eaglet::topk, attention's output written where wo reads it), so older measurements are not reused.
+COSTS_VERSION = 8
 
 
 def cache_key(target, head, compiled=False) -> str:

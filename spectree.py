@@ -8,6 +8,7 @@ import heapq
 import torch
 from torch import Tensor
 
+import ops
 from sampling import sample, uniform
 
 # The EAGLE-1 static tree ("mc_sim_7b_63"): 25 draft nodes as paths of top-k ranks, 5 levels deep.
@@ -23,9 +24,9 @@ EAGLE1_TREE = [
 # ---- the value of a tree under a static prior (sizing's model, and the widths of sampling's trees) ----
 
 # (a, ratio): the target's next token is the draft's rank-r guess with probability a ratio^r. Greedy: fitted to
-# head 12's tau at four trees (tests/test_sizing.py; head 13's is higher). Sampling (coupled drafts, grow_coupled):
-# head 12 at T=1 on 40 MT-bench turns, 4 nodes a level took 0.66 of the first level's draws (0.42+0.17+0.07+0.03).
-RANK_ACCEPT, RANK_ACCEPT_SAMPLING = (0.58, 0.18), (0.42, 0.4)
+# the shipped head's tau at four trees (tests/test_sizing.py). Sampling (coupled drafts, grow_coupled): head 12 at
+# T=1 on 40 MT-bench turns, 4 nodes a level took 0.66 of the first level's draws (0.42+0.17+0.07+0.03).
+RANK_ACCEPT, RANK_ACCEPT_SAMPLING = (0.59, 0.21), (0.42, 0.4)
 
 
 def best_first(m: int, depth: int, k: int, a: float, ratio=None) -> list:
@@ -56,8 +57,8 @@ def level_widths(m: int, depth: int, k: int) -> tuple:
 def expand(logp: Tensor, scores: Tensor, k: int):
     """Each of n nodes proposes its top-k children, scored by the path's summed log-prob (the paper's
     value: the product of draft confidences). Returns child tokens and scores, both [n, k]."""
-    top = torch.topk(logp, k, dim=-1)
-    return top.indices, scores.unsqueeze(-1) + top.values
+    values, indices = ops.topk(logp, k)
+    return indices, scores.unsqueeze(-1) + values
 
 
 def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
@@ -67,7 +68,7 @@ def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
     draft on the k nodes chosen at `level` (parent indexes the nodes chosen at level-1) and returns
     their children's log-probs [k, V]. Returns the selected pool indices (ascending, ancestor-closed),
     and the pool's tokens, parents (pool indices, -1 for the root) and scores (summed log-probs)."""
-    score, tok = torch.topk(root_logp, k)
+    score, tok = ops.topk(root_logp, k)
     idx = torch.arange(k, device=tok.device)  # pool index of each chosen node
     parent = torch.zeros_like(idx)
     pool_tok, pool_score, pool_parent = [tok], [score], [torch.full_like(tok, -1)]
@@ -76,7 +77,7 @@ def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
         pool_tok.append(child_tok.flatten())
         pool_score.append(child_score.flatten())
         pool_parent.append(idx.repeat_interleave(k))
-        best = torch.topk(child_score.flatten(), k).indices
+        best = ops.topk(child_score.flatten(), k)[1]
         parent = best // k
         idx = k + (level - 1) * k * k + best
         tok, score = child_tok.flatten()[best], child_score.flatten()[best]
@@ -116,16 +117,16 @@ def grow_coupled(root_logp: Tensor, step, widths: tuple, noise: Tensor):
     root_logp [V], noise [len(widths), V]: the draft's log-probs and Gumbels in draft-vocabulary ids; step(level, tok,
     parent) as grow's (parent indexes the level before's chosen nodes). -> tokens, parents (node indices of the tree
     whose root is node 0) and scores, each [sum(widths)], level by level."""
-    score, tok = torch.topk(gaps(root_logp + noise[0]), widths[0])
+    score, tok = ops.topk(gaps(root_logp + noise[0]), widths[0])
     parent = torch.zeros_like(tok)
     toks, parents, scores = [tok], [parent], [score]
     for level in range(1, len(widths)):
         # A row's w best children hold the level's w best; a draft vocabulary smaller than w (--draft-vocab) has them all,
         # and the level still has w candidates: w <= k * (the level before's width) and k <= the draft vocabulary
         c = min(widths[level], noise.shape[-1])
-        child = torch.topk(gaps(step(level, tok, parent) + noise[level]), c, dim=-1)
-        score, best = torch.topk((score[:, None] + child.values).flatten(), widths[level])
-        parent, tok = best // c, child.indices.flatten()[best]
+        child_score, child_tok = ops.topk(gaps(step(level, tok, parent) + noise[level]), c)
+        score, best = ops.topk((score[:, None] + child_score).flatten(), widths[level])
+        parent, tok = best // c, child_tok.flatten()[best]
         toks.append(tok)
         parents.append(1 + sum(widths[: level - 1]) + parent)
         scores.append(score)
@@ -138,8 +139,7 @@ def tree_from_pool(sel: Tensor, pool_tokens: Tensor, pool_parents: Tensor, root:
     parent_pool = pool_parents[sel]
     parent_node = torch.searchsorted(sel, parent_pool.clamp(min=0)) + 1
     parents = torch.cat([torch.zeros(1, dtype=torch.long, device=sel.device), torch.where(parent_pool < 0, 0, parent_node)])
-    tokens = torch.cat([root.view(1), pool_tokens[sel]])
-    return tokens, parents
+    return torch.cat([root.view(1), pool_tokens[sel]]), parents
 
 
 def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
@@ -187,8 +187,7 @@ def static_tree(paths=EAGLE1_TREE):
 # ---- verification ----
 
 def accepted_nodes(tokens: Tensor, parents: Tensor, draws: Tensor, depth: int) -> Tensor:
-    """[n] bool: the root, and every node whose parent is accepted and whose token equals the token
-    drawn at its parent."""
+    """[n] bool: the root, and each node whose parent is accepted and whose token equals its parent's draw."""
     is_root = torch.arange(tokens.shape[0], device=tokens.device) == 0
     matched = tokens == draws[parents]
     ok = is_root
@@ -198,14 +197,12 @@ def accepted_nodes(tokens: Tensor, parents: Tensor, draws: Tensor, depth: int) -
 
 
 def accept(tokens: Tensor, parents: Tensor, depths: Tensor, draws: Tensor, depth: int):
-    """Walk the tree matching drawn tokens (accepted_nodes). draws holds one target token per node: the argmax when greedy, one
-    sample of the processed target distribution when sampling. For drafts that are deterministic given
-    the prefix (top-k trees) this is exactly multi-round speculative sampling: the chance to move to a
-    child is its target probability, and a miss leaves the target distribution restricted to the other
-    tokens, which is the residual norm(max(0, p - q)) for one-hot q.
-
-    Returns accept_len (accepted draft nodes, a 0-d tensor), path [depth+1] (node indices from the
-    root; entries past accept_len repeat the last accepted node) and the bonus token."""
+    """Walk the tree matching drawn tokens (accepted_nodes). draws holds one target token per node: the argmax when
+    greedy, one sample of the processed target distribution when sampling. For drafts that are deterministic given the
+    prefix (top-k trees) this is exactly multi-round speculative sampling: the chance to move to a child is its target
+    probability, and a miss leaves the target distribution restricted to the other tokens, which is the residual
+    norm(max(0, p - q)) for one-hot q. -> accept_len (accepted draft nodes, a 0-d tensor), path [depth+1] (node indices
+    from the root; entries past accept_len repeat the last accepted node) and the bonus token."""
     ok = accepted_nodes(tokens, parents, draws, depth)
     accept_len = torch.where(ok, depths, 0).max()
     levels = torch.arange(depth + 1, device=tokens.device)
@@ -215,12 +212,10 @@ def accept(tokens: Tensor, parents: Tensor, depths: Tensor, draws: Tensor, depth
 
 
 def accept_chain(draft_tokens: Tensor, p: Tensor, q: Tensor):
-    """Classic speculative sampling over a chain of k draft tokens (Leviathan et al., Chen et al.).
-
-    draft_tokens [k] were sampled from q [k, V]; p [k+1, V] is the processed target distribution at the
-    root and after each draft token. Token i is kept with probability min(1, p_i(x)/q_i(x)); at the first
-    rejection the replacement is drawn from norm(max(0, p - q)); if all k pass, the bonus comes from p_k.
-    Returns accept_len (0-d) and the bonus token."""
+    """Classic speculative sampling over a chain of k draft tokens (Leviathan et al., Chen et al.). draft_tokens [k]
+    were sampled from q [k, V]; p [k+1, V] is the processed target distribution at the root and after each draft
+    token. Token i is kept with probability min(1, p_i(x)/q_i(x)); at the first rejection the replacement is drawn
+    from norm(max(0, p - q)); if all k pass, the bonus comes from p_k. -> accept_len (0-d) and the bonus token."""
     k = draft_tokens.shape[0]
     px = p[:k].gather(-1, draft_tokens[:, None]).squeeze(-1)
     qx = q.gather(-1, draft_tokens[:, None]).squeeze(-1)

@@ -14,6 +14,7 @@ import torch.nn.functional as F
 from torch import Tensor
 
 import lookup
+import ops
 import spectree
 from draft import DraftHead
 from model import Transformer, causal_mask, live_width
@@ -177,7 +178,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
         return logits if noise is None else sampling.draft_logprobs(logits) + noise[level - 1]
 
     tokens, feats = [st.root], h_root[None]
-    top = head.target_ids(torch.topk(ranked(head.logits(h_root, target.output), 1), spec.topk).indices[None])
+    top = head.target_ids(ops.topk(ranked(head.logits(h_root, target.output), 1), spec.topk)[1][None])
     for level in range(1, spec.depth + 1):
         first, last = STATIC_LEVELS[level], STATIC_LEVELS[level + 1]
         local_parent = parents[first:last] - STATIC_LEVELS[level - 1]
@@ -189,7 +190,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
         pos = (st.L - 1 + level).expand(last - first)
         mask = scratch_mask(st, ctx, st.static_anc[nodes - 1])
         feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
-        top = head.target_ids(torch.topk(ranked(logits, level + 1), spec.topk).indices)
+        top = head.target_ids(ops.topk(ranked(logits, level + 1), spec.topk)[1])
     return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
 
 

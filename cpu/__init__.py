@@ -1,7 +1,7 @@
 # The CPU fast path, entered through ops.py when this package is imported (eaglet.py does, as the loading code):
-# kernels.cpp's bf16 kernels for attention over few queries and the draws, the linears prepacked for oneDNN or the
-# rows kernel (linears.py), and Inductor's CPU settings, --compile auto's measurement and compiled steps saved per
-# machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
+# kernels.cpp's bf16 kernels for attention over few queries, the draws and the tree's top-k, the linears prepacked for
+# oneDNN or the rows kernel (linears.py), and Inductor's CPU settings, --compile auto's measurement and compiled steps
+# saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
 import torch
 
 import ops
@@ -45,7 +45,7 @@ def pacing(device: torch.device):
     return threads.pacing() if device.type == "cpu" else PLAIN["pacing"](device)
 
 
-ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, samples=kernels.serves,
-             sample=kernels.sample, choose=inductor.choose, prepare=prepare, inductor_settings=inductor_settings,
-             step_compiler=step_compiler, kernel_name=linears.packed_kernel, pacing=pacing,
-             watch_load=threads.watch_load)
+ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, topk=kernels.topk,
+             samples=kernels.serves, sample=kernels.sample, choose=inductor.choose, prepare=prepare,
+             inductor_settings=inductor_settings, step_compiler=step_compiler, kernel_name=linears.packed_kernel,
+             pacing=pacing, watch_load=threads.watch_load)

@@ -1,7 +1,7 @@
 // Hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16 (cpu/kernels.py builds them on first use
 // and registers them as torch ops): a linear layer (rows_mm; rows_mm_f32 writing fp32 sums; rows_mm_int8 over int8
 // codes, widened to bf16 in registers), attention for few queries (attend), and the draws over fp32 logits: greedy
-// decoding's argmax, sampling's softmax draw.
+// decoding's argmax, sampling's softmax draw; the draft tree's top-k.
 //
 // A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without AMX,
 // Inductor's GEMM templates widen bf16 to fp32 and turn compute-bound past a few rows, and oneDNN does not overlap its
@@ -285,6 +285,48 @@ static inline __m512 exp_ps(__m512 x) {
 // The first min(16, n) lanes (none for n <= 0): a row's last partial vector.
 static inline __mmask16 lanes16(int64_t n) { return n >= 16 ? (__mmask16)0xFFFF : n > 0 ? (__mmask16)((1u << n) - 1) : 0; }
 
+// The k largest values of each fp32 row (k <= 16), in descending order, the lower index first among equals -> (values,
+// int64 indices), as torch.topk. One pass: 16 values at a time against the k-th best so far, and the few that beat it
+// inserted in order. aten's topk copies each row into (value, index) pairs and partially sorts them, a draft level's
+// cost again for its few rows of the draft vocabulary.
+static inline void topk_insert(float* v, int64_t* id, int64_t k, int64_t n, float c, int64_t i) {  // n of k held
+  int64_t j = std::min(n, k - 1);
+  for (; j > 0 && v[j - 1] < c; j--) v[j] = v[j - 1], id[j] = id[j - 1];
+  v[j] = c, id[j] = i;
+}
+
+std::tuple<at::Tensor, at::Tensor> topk(const at::Tensor& x_, int64_t k) {
+  TORCH_CHECK(x_.scalar_type() == at::kFloat && x_.dim() >= 1 && k >= 1 && k <= 16 && k <= x_.size(-1),
+              "eaglet::topk: fp32 rows, 1 <= k <= min(16, row length)");
+  auto x = x_.contiguous();
+  int64_t N = x.size(-1), M = x.numel() / N;
+  auto sizes = x.sizes().vec();
+  sizes.back() = k;
+  auto values = at::empty(sizes, x.options());
+  auto indices = at::empty(sizes, x.options().dtype(at::kLong));
+  const float* xp = x.data_ptr<float>();
+  float* vp = values.data_ptr<float>();
+  int64_t* ip = indices.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      const float* r = xp + m * N;
+      float* v = vp + m * k;
+      int64_t* id = ip + m * k;
+      for (int64_t i = 0; i < k; i++) topk_insert(v, id, k, i, r[i], i);
+      for (int64_t i = k; i < N; i += 16) {
+        __mmask16 live = lanes16(N - i);
+        __m512 chunk = _mm512_maskz_loadu_ps(live, r + i);
+        unsigned above = _mm512_mask_cmp_ps_mask(live, chunk, _mm512_set1_ps(v[k - 1]), _CMP_GT_OQ);
+        for (; above; above &= above - 1) {
+          int64_t at = i + __builtin_ctz(above);
+          if (r[at] > v[k - 1]) topk_insert(v, id, k, k, r[at], at);  // an earlier lane may have raised the bar
+        }
+      }
+    }
+  });
+  return {values, indices};
+}
+
 // One draw per row of softmax(logits * inv_t) (fp32 [..., N]; u [...]: a float64 uniform in [0, 1) a row -> int64 [...]),
 // sampling.sample's inverse CDF: the first index whose running sum passes u times the row's total. The exponentials
 // stay in a buffer (a 49152-token row: 192 KB) with a sum per 16, so the walk adds 16 at a time up to the right block.
@@ -364,13 +406,18 @@ static inline __mmask16 mask16(const bool* m, int64_t s, int64_t n, int64_t stri
 
 struct Attend {  // one eaglet::attend call: q [B, H, T, D]; k, v [B, Hkv, S, D]; their tree rows kt, vt [B, Hkv, Tt, D]
   const int32_t* q;
-  at::BFloat16* y;
+  at::BFloat16* y;  // stored [B, T, H, D], the layout the output projection reads: no transpose copy after the call
   const bool* mask;
   int64_t ms[4], H, T, D, Hkv, n[2], row_k[2], row_v[2];
   const at::BFloat16 *k[2], *v[2];  // at batch 0, KV head 0
   int64_t kb[2], kh[2], vb[2], vh[2];  // batch and head strides
   float scale;
 };
+
+static inline at::BFloat16* out_row(const Attend& a, int64_t r) {  // query row r = (b, h, t) of [B, H, T] in y's [B, T, H]
+  int64_t b = r / (a.H * a.T), h = r / a.T % a.H, t = r % a.T;
+  return a.y + ((b * a.T + t) * a.H + h) * a.D;
+}
 
 // R query rows r0.. of one KV head (consecutive rows share it) against its keys: the cache's S, then the tree's Tt;
 // softmax in fp32. Each block of 16 keys and each pair of values is loaded once for the R rows; a row's sums run in
@@ -469,7 +516,7 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
   const __m512i second = _mm512_set_epi32(31, 30, 29, 28, 15, 14, 13, 12, 27, 26, 25, 24, 11, 10, 9, 8);
   for (int i = 0; i < R; i++) {
     __m512 norm = _mm512_set1_ps(inv[i]);
-    at::BFloat16* yp = a.y + (r0 + i) * a.D;
+    at::BFloat16* yp = out_row(a, r0 + i);
     for (int c = 0; c < C; c++) {
       __m512 lo = _mm512_mul_ps(_mm512_permutex2var_ps(out[i][2 * c], first, out[i][2 * c + 1]), norm);
       __m512 hi = _mm512_mul_ps(_mm512_permutex2var_ps(out[i][2 * c], second, out[i][2 * c + 1]), norm);
@@ -590,7 +637,7 @@ static void attend_tiles(const Attend& a, int64_t r0, int R, bool fresh) {
       }
       MEMORY_BARRIER
       for (int i = 0; i < R; i++)
-        store16(a.y + (r0 + i) * D + (n0 + n) * 16, _mm512_mul_ps(_mm512_loadu_ps(buf + i * 16), _mm512_set1_ps(inv[i])));
+        store16(out_row(a, r0 + i) + (n0 + n) * 16, _mm512_mul_ps(_mm512_loadu_ps(buf + i * 16), _mm512_set1_ps(inv[i])));
     }
   }
 }
@@ -641,7 +688,7 @@ at::Tensor attend(const at::Tensor& q_, const at::Tensor& k, const at::Tensor& v
               && k.stride(3) == 1 && v.stride(3) == 1 && kt.stride(3) == 1 && vt.stride(3) == 1 && mask.dim() == 4
               && mask.size(3) == k.size(2) + kt.size(2) && mask.scalar_type() == at::kBool,
               "eaglet::attend: bf16 q, k, v, head_dim 32/64/128/256; mask [B, H, T, S + Tt]");
-  auto y = at::empty_like(q);
+  auto y = at::empty_strided(q.sizes(), {q.size(1) * q.size(2) * D, D, q.size(1) * D, 1}, q.options());  // [B, T, H, D]
   Attend a;
   a.q = (const int32_t*)q.data_ptr();
   a.y = y.data_ptr<at::BFloat16>();
@@ -670,6 +717,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("amx_set(bool on, int min_rows, int attend_rows) -> bool", &amx_set);
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("sample(Tensor logits, Tensor u, float inv_t) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
@@ -678,6 +726,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rows_mm_f32", &rows_mm_f32);
   m.impl("rows_mm_int8", &rows_mm_int8);
   m.impl("argmax", &argmax);
+  m.impl("topk", &topk);
   m.impl("sample", &sample);
   m.impl("attend", &attend);
 }

@@ -1,8 +1,8 @@
 # The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them) and of
 # kernels_fp32.cpp (fp32 passes of few rows on AVX2): built on first use with torch.utils.cpp_extension, registered as
-# torch ops (eaglet::rows_mm, attend, argmax, sample; eaglet::rows_mm_fp32, rows_mm_codes) with shape functions for tracing and vmap
-# rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
-# attend, argmax and sample to ops.py; cpu/linears.py runs the linears on rows_mm.
+# torch ops (eaglet::rows_mm, attend, argmax, topk, sample; eaglet::rows_mm_fp32, rows_mm_codes) with shape functions
+# for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
+# attend, argmax, topk and sample to ops.py; cpu/linears.py runs the linears on rows_mm.
 import functools
 import os
 import platform
@@ -78,9 +78,12 @@ def build() -> bool:
         torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
     torch.library.register_fake("eaglet::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
     torch.library.register_vmap("eaglet::argmax")(functools.partial(batch_rule, torch.ops.eaglet.argmax))
+    torch.library.register_fake("eaglet::topk")(lambda x, k: (x.new_empty(*x.shape[:-1], k),
+                                                              x.new_empty(*x.shape[:-1], k, dtype=torch.long)))
+    torch.library.register_vmap("eaglet::topk")(topk_batch_rule)
     torch.library.register_fake("eaglet::sample")(lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.long))
     torch.library.register_vmap("eaglet::sample")(sample_batch_rule)
-    torch.library.register_fake("eaglet::attend")(lambda q, *_: torch.empty_like(q, memory_format=torch.contiguous_format))
+    torch.library.register_fake("eaglet::attend")(attend_out)
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
     global BUILT
     BUILT = True
@@ -120,6 +123,11 @@ def to_front(x: Tensor, dim, n: int) -> Tensor:
     return x.expand(n, *x.shape) if dim is None else x.movedim(dim, 0)
 
 
+def topk_batch_rule(info, in_dims, x, k):
+    """Under batch.py's vmap: the batch dim to the front, one call."""
+    return torch.ops.eaglet.topk(x.movedim(in_dims[0], 0), k), (0, 0)
+
+
 def sample_batch_rule(info, in_dims, logits, u, inv_t):
     """Under batch.py's vmap: the logits' and uniforms' batch dims to the front, one call."""
     return torch.ops.eaglet.sample(*(to_front(x, d, info.batch_size) for x, d in zip((logits, u), in_dims)), inv_t), 0
@@ -133,6 +141,12 @@ def attend_batch_rule(info, in_dims, *args):
 
     y = torch.ops.eaglet.attend(*(join(x, dim) for x, dim in zip(args[:6], in_dims)), args[6])
     return y.view(info.batch_size, -1, *y.shape[1:]), 0
+
+
+def attend_out(q: Tensor, *_) -> Tensor:
+    """eaglet::attend's output for q [B, H, T, D]: stored [B, T, H, D], so the output projection reads it as it is."""
+    B, H, T, D = q.shape
+    return q.new_empty(B, T, H, D).transpose(1, 2)
 
 
 def attends(q: Tensor) -> bool:
@@ -153,6 +167,18 @@ def serves(logits: Tensor) -> bool:
 def argmax(logits: Tensor) -> Tensor:
     """torch.argmax(logits, -1), through eaglet::argmax where it serves."""
     return torch.ops.eaglet.argmax(logits) if serves(logits) else torch.argmax(logits, dim=-1)
+
+
+TOPK_MAX = 16  # eaglet::topk inserts into a sorted list of k: a tree's k per node is at most this
+TOPK_MIN_ROW = 128  # shorter rows (a level's pool of candidates) cost torch's topk no more than the kernel's call
+
+
+def topk(x: Tensor, k: int) -> tuple:
+    """torch.topk(x, k, dim=-1) (values, indices), through eaglet::topk for rows of a vocabulary (ties: the lower index
+    first)."""
+    if serves(x) and x.dim() >= 1 and x.shape[-1] >= TOPK_MIN_ROW and 1 <= k <= TOPK_MAX:
+        return torch.ops.eaglet.topk(x, k)
+    return torch.topk(x, k, dim=-1)
 
 
 def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:

@@ -311,6 +311,40 @@ def test_argmax_is_torch_argmax():
     assert torch.equal(torch.vmap(kernels.argmax)(x.view(4, 16, 100)), torch.argmax(x, -1).view(4, 16))
 
 
+def stable_topk(x, k):
+    """torch.topk with ties broken toward the lower index (a stable descending sort's first k)."""
+    values, indices = torch.sort(x, dim=-1, descending=True, stable=True)
+    return values[..., :k], indices[..., :k]
+
+
+@pytest.mark.parametrize("k", [1, 4, 10, 16])
+def test_topk_is_torch_topk(k):
+    """eaglet::topk (the draft tree's choice on a CPU with the kernels): torch.topk's values in descending order, the
+    lower index first among equals, over rows of any length and leading shape (a draft vocabulary's, a level's pool),
+    rows of -inf and heavy ties included, eager, compiled and under vmap."""
+    assert kernels.build()
+    torch.manual_seed(k)
+    for shape in [(16384,), (4, 16384), (3, 5, 17), (2, k), (7, 100)]:
+        x = torch.randn(shape)
+        values, indices = torch.ops.eaglet.topk(x, k)
+        expected = torch.topk(x, k, dim=-1)
+        assert torch.equal(values, expected.values) and torch.equal(indices, expected.indices), shape
+    x = torch.randint(0, 4, (64, 300)).float()  # ties in lanes, across them and at the k-th place
+    x[5] = float("-inf")
+    x[6, : k + 1] = float("-inf")
+    x[7, 299] = 9.0  # the best in the last partial vector
+    for rows in (x, x[:, ::2]):  # strided too
+        assert all(torch.equal(a, b) for a, b in zip(torch.ops.eaglet.topk(rows, k), stable_topk(rows, k)))
+    descending = torch.arange(200.0).flip(0)  # every value beats none after the first k
+    assert all(torch.equal(a, b) for a, b in zip(torch.ops.eaglet.topk(descending, k), stable_topk(descending, k)))
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: kernels.topk(x * 2, k), fullgraph=True, dynamic=False), x)
+    assert all(torch.equal(a, b) for a, b in zip(out, stable_topk(x * 2, k))) and "eaglet.topk" in code
+    batched = torch.vmap(lambda row: kernels.topk(row, k))(x.view(4, 16, 300))
+    assert all(torch.equal(a, b.view(4, 16, k)) for a, b in zip(batched, stable_topk(x, k)))
+
+
 def test_sample_is_the_inverse_cdf_draw():
     """eaglet::sample (a draw at T > 0 on a CPU with the kernels) picks sampling.sample's token for the same uniforms
     (rounding may move one draw in thousands: at most one), never a -inf token; 200k draws of one row pass a
@@ -371,6 +405,31 @@ def test_attend_few_takes_the_kernel_when_compiled():
             batched, (code, *_) = run_and_get_code(torch.compile(rows, fullgraph=True), q, k, v, mask)
     assert code.count("eaglet.attend.default(") == 1, code
     torch.testing.assert_close(batched.float(), eager.float(), rtol=2e-2, atol=2e-2)
+
+
+def test_attend_writes_the_layout_the_output_projection_reads():
+    """eaglet::attend returns [B, H, T, D] stored as [B, T, H, D], and its shape function says the same strides: so in a
+    compiled layer the heads' outputs reach wo as a view, with no transpose copy between."""
+    assert kernels.build()
+    B, H, n_kv, D, S, T = 2, 6, 2, 64, 20, 3
+    q = torch.randn(B, H, T, D).bfloat16()
+    k, v = (torch.randn(B, n_kv, S, D).bfloat16() for _ in range(2))
+    y = torch.ops.eaglet.attend(q, k, v, torch.ones(B, H, T, S, dtype=torch.bool), k[:, :, :0], v[:, :, :0], D**-0.5)
+    assert y.shape == (B, H, T, D) and y.stride() == kernels.attend_out(q).stride()
+    assert y.transpose(1, 2).is_contiguous()
+    import model
+
+    args = model.ModelArgs(dim=H * D, n_head=H, n_local_heads=n_kv, n_layer=1, vocab_size=64, intermediate_size=128)
+    layer = model.Attention(args).bfloat16()
+    layer.kv_cache = model.KVCache(1, n_kv, S, D, torch.bfloat16)
+    rope, pos = model.rope_table(args, S), torch.arange(5, 5 + T)
+    step = torch.compile(lambda x, pos, mask: layer(x, model.rope_at(rope, pos[None], 1), pos, mask), fullgraph=True, dynamic=False)
+    torch._dynamo.reset()
+    with torch.no_grad(), torch._inductor.config.patch(fx_graph_cache=False, cpp_wrapper=False):
+        _, (code, *_) = run_and_get_code(step, torch.randn(1, T, H * D).bfloat16(), pos, torch.ones(1, 1, T, S, dtype=torch.bool))
+    calls = code[code.index("def call("):]
+    # between the two linears: one fused loop (RoPE and the cache write) and the kernel, nothing after it
+    assert calls.count("eaglet.attend.default(") == 1 and calls.count("cpp_fused_") == 1, calls
 
 
 @pytest.mark.parametrize("kind", ["eagle", "eagle3"])
