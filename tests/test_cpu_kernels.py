@@ -335,7 +335,7 @@ def test_topk_is_torch_topk(k):
     x[7, 299] = 9.0  # the best in the last partial vector
     for rows in (x, x[:, ::2]):  # strided too
         assert all(torch.equal(a, b) for a, b in zip(torch.ops.eaglet.topk(rows, k), stable_topk(rows, k)))
-    descending = torch.arange(200.0).flip(0)  # every value beats none after the first k
+    descending = torch.arange(200.0).flip(0)  # no value after the first k beats them: nothing is inserted
     assert all(torch.equal(a, b) for a, b in zip(torch.ops.eaglet.topk(descending, k), stable_topk(descending, k)))
     torch._dynamo.reset()
     with torch._inductor.config.patch(fx_graph_cache=False):
