@@ -523,15 +523,21 @@ def start(argv: list, stdin=subprocess.DEVNULL) -> subprocess.Popen:
 
 
 def wait_for_line(proc, text: str, timeout: float = 300) -> list:
-    """stderr's lines up to and including the first containing text (or the test fails at the timeout, never hangs)."""
-    lines, deadline, fd = [], time.monotonic() + timeout, proc.stderr.fileno()
+    """stderr's lines up to and including the first containing text (or the test fails at the timeout, never hangs).
+    Read from the pipe a byte at a time: proc.stderr.readline() would pull later lines into its buffer, where select()
+    cannot see them, and the wait would last until the process next writes (after the answer a test means to stop)."""
+    lines, line, deadline, fd = [], b"", time.monotonic() + timeout, proc.stderr.fileno()
     while time.monotonic() < deadline:
         if select.select([fd], [], [], 1.0)[0]:
-            line = proc.stderr.readline()
-            if not line:
+            byte = os.read(fd, 1)
+            if not byte:
                 pytest.fail(f"the process ended before {text!r}: {''.join(lines)[-2000:]}")
-            lines.append(line)
-            if text in line:
+            line += byte
+            if byte != b"\n":
+                continue
+            lines.append(line.decode(errors="replace"))
+            line = b""
+            if text in lines[-1]:
                 return lines
     proc.kill()
     pytest.fail(f"no {text!r} on stderr in {timeout} s: {''.join(lines)[-2000:]}")
