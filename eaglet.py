@@ -60,7 +60,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     draft_model = load_draft_model(draft_checkpoint, target) if speculate == "sps" else None
     rule = sampling if isinstance(sampling, Sampling) else Sampling(1.0) if sampling else GREEDY
     spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch,
-                     rule.temperature > 0)
+                     rule.temperature > 0, draft_vocab)
     gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer)
     gen.build(rule, log)
     return gen, tokenizer
@@ -82,7 +82,7 @@ def add_model_flags(p, mode: bool = True):
     p.add_argument("--num-draft-tokens", type=int, default=None, help="eagle2: m, tree nodes verified besides the root (default: sized for the device)")
     p.add_argument("--lookup-slots", type=int, default=None, help="eagle2: this many more tree nodes, the prompt lookup chain continuing the root (default: min(3, depth) at T=0; none when sampling or in a batch; 0: none)")
     p.add_argument("--speculate-k", type=int, default=None, help="sps / lookup: draft chain length (default 4 / 6)")
-    p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: all it has; 0: the whole vocabulary)")
+    p.add_argument("--draft-vocab", type=int, default=None, help="draft over the head's N most frequent tokens (default: with a sized tree, all it has or its more frequent half, whichever the device's costs say is faster; else all it has; 0: the whole vocabulary)")
 
 
 def load_target(checkpoint, device=None, dtype=None, log=log_stderr) -> Transformer:
@@ -120,9 +120,12 @@ def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, specu
 
 
 def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
-              speculate_k=None, compile=False, log=log_stderr, lookup_slots=None, batch: int = 1, sampling: bool = False) -> Optional[TreeSpec]:
+              speculate_k=None, compile=False, log=log_stderr, lookup_slots=None, batch: int = 1, sampling: bool = False,
+              draft_vocab=None) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what is left open is sized for this device and batch size: sizing.measure_tree
-    times the target and head once (compiled when the cycle will be) and caches the result."""
+    times the target and head once (compiled when the cycle will be) and caches the result. A sized tree's head, unless
+    draft_vocab (--draft-vocab) was given, drafts over the more frequent half of its vocabulary where the costs say
+    that is faster (sizing.draft_width, sizing.cut_vocab)."""
     if speculate == "none":
         return None
     if speculate in CHAINS:
@@ -140,10 +143,12 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
-            m, depth, k = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head, compile) if compile else None,
-                                              lookup=lookup_slots, batch=batch, sampling=sampling)
+            m, depth, k, width = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head, compile) if compile else None,
+                                                     lookup=lookup_slots, batch=batch, sampling=sampling)
         except ValueError as e:
             raise UsageError(str(e)) from None
+        if draft_vocab is None:
+            sizing.cut_vocab(target, head, width)
     lookup_slots = sizing.lookup_slots(depth, lookup_slots, batch)
     if lookup_slots > depth:
         raise UsageError(f"--lookup-slots {lookup_slots} exceeds the tree's depth {depth}")

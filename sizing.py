@@ -6,6 +6,7 @@
 # Expected tokens come from EAGLE-2's own value model under a static prior: the target's next token is the
 # draft's rank-r guess with probability a (1-a)^r, a node is accepted with the product of its path's
 # probabilities, and a cycle commits 1 + the sum over its m nodes. The tree holds the m most valuable nodes.
+import contextlib
 import time
 from itertools import product
 
@@ -17,6 +18,7 @@ import ops
 import tp
 import weights
 from checkpoint import UsageError
+from draft import Eagle3Head, use_draft_vocab
 from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, KERNEL_QUERIES, causal_mask, find_multiple, rope_at
@@ -30,6 +32,11 @@ TOPK_CHOICES = (4, 10)
 TOPK_SAMPLING = (10,)
 LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lift tau far more than they cost the cycle (docs/results.md)
 # The priors: spectree.RANK_ACCEPT, and RANK_ACCEPT_SAMPLING for sampling's coupled trees.
+# The share of a tree's accepted drafts a head keeps when it drafts over the more frequent half of its vocabulary,
+# greedy and sampling: the shipped head with 8192 of its 16384 tokens, τ 2.63 -> 2.58 at T=0 and 2.07 -> 1.93 at T=1
+# (docs/cpu.md, "The draft vocabulary"). Sampled tokens fall outside the frequent ones more often, and a coupled draft
+# must hold the token the target will draw.
+HALF_VOCAB_KEEP = (0.97, 0.87)
 CONTEXT = 256  # position the costs are measured at
 QUERY_GROUPS = (FUSED_QUERIES, KERNEL_QUERIES, FEW_QUERIES)  # row counts up to each bound share a dynamic graph (few_rows)
 # The most draft levels (or chain tokens) a cycle may have: each level is a head pass, and its drafts are accepted
@@ -79,12 +86,13 @@ def verify_cost(costs: dict, T: int) -> float:
     return r0 + (r1 - r0) * (T - t0) / (t1 - t0)
 
 
-def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int = 1, sampling: bool = False) -> float:
+def cycle_cost(costs: dict, m: int, depth: int, k: int, lookup=None, batch: int = 1, sampling: bool = False,
+               half: bool = False) -> float:
     """A cycle in decode steps (of batch rows): the context pass over depth+1 rows, depth-1 expansions of k rows (when
     sampling, one of each level's nodes but the last: spectree.grow_coupled), the verify of the root, m nodes and the
     lookup slots (their tokens are not valued: on text without repeats they are dead); every row once per sequence of
-    the batch."""
-    level = costs["level"]
+    the batch. half: the head drafts over the more frequent half of its vocabulary (its levels' costs then)."""
+    level = costs["level_half" if half else "level"]
 
     def rows(n):  # a head pass over n rows a sequence: row costs are close to linear
         return level["4"] + (level["10"] - level["4"]) * (batch * n - 4) / 6
@@ -110,7 +118,26 @@ def ranked_trees(costs: dict, m=None, depth=None, k=None, a=None, lookup=None, b
             raise ValueError(f"--lookup-slots {lookup} exceeds the tree's depth {depth or max(DEPTH_CHOICES)}")
         raise ValueError(f"--num-draft-tokens {m} exceeds the candidates of every tree with depth {depth} and topk {k}"
                          + (f" and depth >= --lookup-slots {lookup}" if lookup else ""))
-    return sorted(options, key=lambda o: (-expected_tau(*o, a=a) / cycle_cost(costs, *o, lookup, batch, sampling), o[0]))
+    return sorted(options, key=lambda o: (-speed(costs, *o, a, lookup, batch, sampling), o[0]))
+
+
+def speed(costs: dict, m: int, depth: int, k: int, a, lookup=None, batch: int = 1, sampling: bool = False, half: bool = False) -> float:
+    """Expected tokens a decode step's time (the cost model's figure of merit); half: as in cycle_cost, its drafts
+    accepted HALF_VOCAB_KEEP as often."""
+    drafts = expected_tau(m, depth, k, a=a) - 1.0
+    keep = HALF_VOCAB_KEEP[sampling] if half else 1.0
+    return (1.0 + keep * drafts) / cycle_cost(costs, m, depth, k, lookup, batch, sampling, half)
+
+
+def draft_width(costs: dict, tree: tuple, vocab: int, lookup=None, batch: int = 1, sampling: bool = False) -> int:
+    """The tokens a head with a vocabulary of vocab tokens (ordered by frequency) drafts over with this (m, depth, k):
+    all of them, or the more frequent half where its cheaper levels outweigh the drafts it loses. A small target's
+    cycle is mostly draft levels and the LM head is most of a level; a large target's verify dwarfs them."""
+    if "level_half" not in costs:
+        return vocab
+    a = rank_accept(sampling)
+    faster = speed(costs, *tree, a, lookup, batch, sampling, half=True) > speed(costs, *tree, a, lookup, batch, sampling)
+    return vocab // 2 if faster else vocab
 
 
 def _ms(fn, sync) -> float:
@@ -143,6 +170,10 @@ def _head_level(target, head, tokens, feats, pos, mask):
     h = head(tokens[None], target.tok_embeddings.weight, feats, pos, pos, mask)[0]
     logits = head.logits(h, target.output)
     return torch.topk(torch.log_softmax(logits.float(), -1), min(tokens.shape[0], 10, logits.shape[-1]))
+
+
+def _half_head_level(*args):  # a graph of its own: the head's LM head is half as tall
+    return _head_level(*args)
 
 
 @torch.inference_mode()
@@ -183,13 +214,13 @@ def measure_costs(target, head, compile_fn=None) -> dict:
             return target.output(target.norm(x))
         return run_pass
 
-    def head_level(rows):
+    def head_level(rows, fn=_head_level):
         pos = CONTEXT + torch.arange(rows, device=device)
         tokens = torch.zeros(rows, dtype=torch.long, device=device)
         feats = torch.zeros(1, rows, target.args.dim, device=device, dtype=dtype)
         mask = causal_mask(pos, head.max_seq_length)
         few_rows(rows, mask, (tokens, 0), (pos, 0), (feats, 1))
-        run = graph(_head_level, rows)
+        run = graph(fn, rows)
         return lambda: run(target, head, tokens, feats, pos, mask)
 
     def few_rows(n, mask, *dims):
@@ -213,9 +244,33 @@ def measure_costs(target, head, compile_fn=None) -> dict:
     step = target_pass(1)
     verify = [_median_ratio(target_pass(m + 1), step, device) for m in sizes]
     verify = [min(verify[i:]) for i in range(len(verify))]  # a longer pass never costs less: a dip later marks noise
-    return {"decode_ms": round(_median_ms(step, device, reps=5), 3),
-            "verify": {str(m + 1): round(r, 3) for m, r in zip(sizes, verify)},
-            "level": {str(k): round(_median_ratio(head_level(k), step, device), 3) for k in (4, 10)}}
+    # levels take reps 7: the two widths' difference is a few hundredths of a step
+    level = {str(k): round(_median_ratio(head_level(k), step, device, reps=7), 3) for k in (4, 10)}
+    entry = {"decode_ms": round(_median_ms(step, device, reps=5), 3),
+             "verify": {str(m + 1): round(r, 3) for m, r in zip(sizes, verify)}, "level": level}
+    if can_halve(head):  # the same level over the more frequent half of the head's vocabulary (its own graph)
+        with halved(target, head, getattr(compile_fn, "compile", False)):  # packed as compiling.sizing_compile packs
+            entry["level_half"] = {str(k): round(_median_ratio(head_level(k, _half_head_level), step, device, reps=7), 3) for k in (4, 10)}
+    return entry
+
+
+def can_halve(head) -> bool:
+    """The head drafts over a vocabulary of its own, ordered by frequency, of at least twice the widest level's tokens
+    (an EAGLE-3 head's LM head is its own: it cannot cut it)."""
+    return not isinstance(head, Eagle3Head) and head.lm_head is not None and len(head.draft_vocab) >= 2 * max(TOPK_CHOICES)
+
+
+@contextlib.contextmanager
+def halved(target, head, compile):
+    """The head drafting over the more frequent half of its vocabulary, readied as its steps read it (ops.prepare),
+    then as it was."""
+    vocab, lm_head = head.draft_vocab, head.lm_head
+    try:
+        use_draft_vocab(head, target.output, len(vocab) // 2)
+        ops.prepare(compile, target, head)
+        yield head
+    finally:
+        head.draft_vocab, head.lm_head = vocab, lm_head
 
 
 def device_name(device) -> str:
@@ -229,17 +284,19 @@ def device_name(device) -> str:
 # with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
 # of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
 # layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel; 8: a draft level's
-# top-k on eaglet::topk, attention's output written where wo reads it), so older measurements are not reused.
-COSTS_VERSION = 8
+# top-k on eaglet::topk, attention's output written where wo reads it; 9: a level over half the draft vocabulary), so
+# older measurements are not reused.
+COSTS_VERSION = 9
 
 
 def cache_key(target, head, compiled=False) -> str:
-    """compiled: False (eager), True or "max" (--compile max's costs are their own)."""
+    """compiled: False (eager), True or "max" (--compile max's costs are their own). A head whose vocabulary the sizing
+    halved (eaglet.tree_spec) keys as it was measured."""
     name = device_name(target.tok_embeddings.weight.device)
     a = target.args
     mode = getattr(target.layers[0].feed_forward.w13, "mode", "float")
     return (f"{name} x{tp.world_size()} ranks|{target.tok_embeddings.weight.dtype}|{mode} target|{a.dim}x{a.n_layer}x{a.n_head}x{a.n_local_heads}"
-            f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {len(head.draft_vocab) or a.vocab_size}|torch {torch.__version__}"
+            f"x{a.intermediate_size}x{a.vocab_size}|{head.kind} head, draft_vocab {getattr(head, 'sized_as', (len(head.draft_vocab),))[0] or a.vocab_size}|torch {torch.__version__}"
             f"|costs {COSTS_VERSION}"
             + ("|compiled" if compiled else "") + (" max" if compiled == "max" else "")
             + (f" {ops.kernel_name(target.layers[0].feed_forward.w13)}" if compiled is True else ""))
@@ -252,7 +309,7 @@ def valid_costs(entry: dict) -> bool:
     """A cached cost entry as measure_costs writes it (and record_sweep's trees): anything else is measured again."""
     verify, trees = entry["verify"], [v for k, v in entry.items() if k.startswith("swept")]
     return (cachedir.number(entry["decode_ms"]) and len(verify) >= 2 and all(int(t) > 0 and cachedir.number(r) for t, r in verify.items())
-            and all(cachedir.number(entry["level"][k]) for k in ("4", "10"))
+            and all(cachedir.number(entry[level][k]) for level in ("level", "level_half") if level in entry for k in ("4", "10"))
             and all(len(t) == 3 and all(isinstance(x, int) and x > 0 for x in t) for t in trees))
 
 
@@ -277,7 +334,16 @@ def swept_key(sampling: bool, head) -> str:
     # Greedy decoding and sampling each get their own tree, and each head: a sweep's winner rides on the head's tau, so
     # a retrained head of the same shape goes back to the cost model. Sampling's sweeps before its trees were coupled to
     # the draws (spectree.grow_coupled) were recorded as "swept sampling" and no longer count.
-    return f"{'swept coupled sampling' if sampling else 'swept'} {head_digest(head)}"
+    return f"{'swept coupled sampling' if sampling else 'swept'} {getattr(head, 'sized_as', (0, None))[1] or head_digest(head)}"
+
+
+def cut_vocab(target, head, width: int):
+    """The head drafts over the first width tokens of its vocabulary (draft_width's choice), cut in place when that is
+    fewer. It keeps what it was measured as, (vocabulary size, weights' digest), so that cache_key and swept_key find
+    its costs and sweeps again."""
+    if width < len(head.draft_vocab):
+        head.sized_as = (len(head.draft_vocab), head_digest(head))
+        use_draft_vocab(head, target.output, width)
 
 
 def head_digest(head) -> str:
@@ -294,13 +360,14 @@ def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = Fal
 
 def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1,
                  sampling: bool = False) -> tuple:
-    """(m, depth, k) for this device, batch size and kind of decoding: a --sweep result (one sequence, greedy or sampling)
-    if there is one and nothing is given, else the cost model's best around whatever is given. Times the device the first
-    time (device_costs), then reads the cache."""
+    """(m, depth, k, width) for this device, batch size and kind of decoding: a --sweep result (one sequence, greedy or
+    sampling) if there is one and nothing is given, else the cost model's best around whatever is given; width, the
+    draft vocabulary that tree drafts over fastest (draft_width: the head's, or its more frequent half). Times the
+    device the first time (device_costs), then reads the cache."""
     costs = device_costs(target, head, log, compile_fn)
+    vocab = len(head.draft_vocab)
+    tree = None
     if not (m or depth or k) and batch == 1 and any(key.startswith("swept") for key in costs):  # the digest only then
-        swept = swept_key(sampling, head)
-        if swept in costs:
-            return tuple(costs[swept])
-    vocab = len(head.draft_vocab) or target.args.vocab_size
-    return ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling, vocab=vocab)[0]
+        tree = costs.get(swept_key(sampling, head))
+    tree = tuple(tree or ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling, vocab=vocab or target.args.vocab_size)[0])
+    return (*tree, draft_width(costs, tree, vocab, lookup, batch, sampling))

@@ -300,6 +300,8 @@ def _row(name, gen, batch, reuse, tot, warmup, peak, tokenizer, margs, conversat
     row["cycle_ms"] = round(1000 * tot["decode_seconds"] / max(steps, 1), 3)
     if gen.spec:
         row.update(spec=gen.spec.__dict__, **acceptance_metrics(tot["hist"], tot["cycle_tokens"], tot["cycles"]))
+    if gen.head is not None:  # the tokens it drafts over: the head's, or the half the sizing chose (sizing.draft_width)
+        row["draft_vocab"] = len(gen.head.draft_vocab) or margs.vocab_size
     if opts.split and split and not batch and gen.packaged:  # compiled steps: each part beside its floor
         row["split"] = cycle_split.split(gen, tokenizer, [turns[0] for turns in conversations[:4]], opts.max_new_tokens, sampling)
     elif opts.split and split and not batch and gen.spec:

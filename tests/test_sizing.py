@@ -98,20 +98,20 @@ def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tin
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
     target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
     logs = []
-    first = sizing.measure_tree(target, head, log=logs.append)
+    first = sizing.measure_tree(target, head, log=logs.append)[:3]
     assert len(logs) == 1 and (tmp_path / "tree_sizes.json").exists()
     entry = sizing.device_costs(target, head)
     assert set(entry["verify"]) == {str(m + 1) for m in sizing.M_CHOICES} and entry["decode_ms"] > 0
     monkeypatch.setattr(sizing, "measure_costs", lambda *a: pytest.fail("measured twice"))
-    assert sizing.measure_tree(target, head, log=logs.append) == first
+    assert sizing.measure_tree(target, head, log=logs.append)[:3] == first
     assert sizing.measure_tree(target, head, depth=2)[1] == 2
     sizing.record_sweep(target, head, (4, 2, 4))
-    assert sizing.measure_tree(target, head) == (4, 2, 4)
-    assert sizing.measure_tree(target, head, sampling=True) != (2, 2, 10)
+    assert sizing.measure_tree(target, head)[:3] == (4, 2, 4)
+    assert sizing.measure_tree(target, head, sampling=True)[:3] != (2, 2, 10)
     sizing.record_sweep(target, head, (2, 2, 10), sampling=True)  # a sweep at T > 0 keeps the greedy one
-    assert sizing.measure_tree(target, head, sampling=True) == (2, 2, 10) and sizing.measure_tree(target, head) == (4, 2, 4)
+    assert sizing.measure_tree(target, head, sampling=True)[:3] == (2, 2, 10) and sizing.measure_tree(target, head)[:3] == (4, 2, 4)
     retrained = random_head(tiny_args(), seed=2)  # the same shape, other weights: the sweeps were not its own
-    assert sizing.measure_tree(target, retrained) == first
+    assert sizing.measure_tree(target, retrained)[:3] == first
     # The sized tree runs: a generator built from it reproduces vanilla decoding.
     m, depth, k = first
     prompt = list(range(5))
@@ -126,7 +126,7 @@ def test_a_draft_vocabulary_below_the_topk_choices_is_sized_within_it(tmp_path, 
     head.draft_vocab = torch.arange(6)
     use_draft_vocab(head, target.output)
     for sampling in (False, True):
-        m, depth, k = sizing.measure_tree(target, head, sampling=sampling)
+        m, depth, k = sizing.measure_tree(target, head, sampling=sampling)[:3]
         assert k <= 6
         spec = TreeSpec("eagle2", depth, k, m)
         assert len(Generator(target, spec, head=head).generate(list(range(5)), 12, Sampling(float(sampling)), stop_ids=[]).token_ids) == 12
@@ -147,7 +147,7 @@ def test_compiled_runs_are_sized_from_compiled_passes(tmp_path, monkeypatch, tin
         return compiling.sizing_compile(target)(fn)
 
     torch._dynamo.reset()
-    tree = sizing.measure_tree(target, head, compile_fn=compile_fn)
+    tree = sizing.measure_tree(target, head, compile_fn=compile_fn)[:3]
     assert compiled_fns == ["_layer_pass"] * 3 + ["_head_level"]
     keys = list(cachedir.read(sizing.CACHE))
     name = ops.kernel_name(target.layers[0].feed_forward.w13)
@@ -269,3 +269,44 @@ def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
     for mode in ("none", "lookup", "sps", "eagle"):  # the other modes sample too (lookup slots 0 would exit 2 for them)
         before = len(seen)
         assert generate.main(["--speculate", mode, "--temperature", "1"]) == 2 and len(seen) == before + 1
+
+
+def test_the_sizing_halves_the_draft_vocabulary_where_cheaper_levels_outweigh_the_lost_drafts():
+    """A level over half the vocabulary costs what the measured level_half says; its drafts are accepted
+    HALF_VOCAB_KEEP as often. On the AMX Xeon's costs with the saving it measured (a third of a level), greedy decoding
+    halves (the shipped head ran 3% faster so) and sampling keeps the whole vocabulary (it ran 2% slower halved);
+    without a level_half (a head that cannot halve) or with no saving the width stays. The wrong rule that ignores the
+    lost drafts would halve when sampling too, and every width would be the same to a rule that ignores the saving."""
+    half = {**AMX, "level_half": {k: round(v * 2 / 3, 3) for k, v in AMX["level"].items()}}
+    greedy, sampled = sizing.ranked_trees(half, lookup=3)[0], sizing.ranked_trees(half, lookup=0, sampling=True)[0]
+    assert sizing.draft_width(half, greedy, 16384, lookup=3) == 8192
+    assert sizing.draft_width(half, sampled, 16384, lookup=0, sampling=True) == 16384
+    assert sizing.draft_width(AMX, greedy, 16384, lookup=3) == 16384
+    assert sizing.draft_width({**AMX, "level_half": AMX["level"]}, greedy, 16384, lookup=3) == 16384
+    ignoring_losses = sizing.speed(half, *sampled, sizing.rank_accept(True), 0, sampling=False, half=True)  # keep 0.97
+    assert ignoring_losses > sizing.speed(half, *sampled, sizing.rank_accept(True), 0, sampling=True)
+
+
+def test_a_halved_head_keeps_its_costs_and_sweeps_and_answers_as_vanilla(tmp_path, monkeypatch, tiny_args, random_model, random_head):
+    """measure_costs times a level over half of a head's own vocabulary; tree_spec cuts the head when draft_width says so
+    (never with --draft-vocab given); the cut head finds the costs and sweeps it was measured with, and its greedy
+    answers are vanilla's."""
+    monkeypatch.setenv("EAGLET_CACHE", str(tmp_path))
+    target, head = random_model(tiny_args(), seed=0), random_head(tiny_args(), seed=1)
+    head.draft_vocab = torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(0))[:64]
+    use_draft_vocab(head, target.output)
+    entry = sizing.device_costs(target, head)
+    assert set(entry["level_half"]) == {"4", "10"} and all(0 <= entry["level_half"][k] <= entry["level"][k] for k in ("4", "10"))
+    assert len(head.draft_vocab) == 64 and head.lm_head.out_features == 64  # timing the half left the head as it was
+    key, swept = sizing.cache_key(target, head), sizing.swept_key(False, head)
+    cheap = {**entry, "level_half": {k: 0.0 for k in ("4", "10")}}  # a half that costs nothing: always taken greedy
+    cachedir.store(sizing.CACHE, key, cheap)
+    assert tree_spec("eagle2", target, head, draft_vocab=64) and len(head.draft_vocab) == 64
+    spec = tree_spec("eagle2", target, head)
+    assert len(head.draft_vocab) == 32 and head.lm_head.out_features == 32
+    assert sizing.cache_key(target, head) == key and sizing.swept_key(False, head) == swept
+    monkeypatch.setattr(sizing, "measure_costs", lambda *a: pytest.fail("measured the cut head again"))
+    assert tree_spec("eagle2", target, head) == spec
+    prompt = list(range(5))
+    assert Generator(target, spec, head=head).generate(prompt, 20, Sampling()).token_ids == \
+        Generator(target).generate(prompt, 20, Sampling()).token_ids
