@@ -131,8 +131,8 @@ def speed(costs: dict, m: int, depth: int, k: int, a, lookup=None, batch: int = 
 
 def draft_width(costs: dict, tree: tuple, vocab: int, lookup=None, batch: int = 1, sampling: bool = False) -> int:
     """The tokens a head with a vocabulary of vocab tokens (ordered by frequency) drafts over with this (m, depth, k):
-    all of them, or the more frequent half where its cheaper levels outweigh the drafts it loses. A small target's
-    cycle is mostly draft levels and the LM head is most of a level; a large target's verify dwarfs them."""
+    all of them, or the more frequent half where its cheaper levels outweigh the drafts it loses. Beside a small target
+    a level is a fair share of the cycle and its LM head much of a level; a large target's verify dwarfs them."""
     if "level_half" not in costs:
         return vocab
     a = rank_accept(sampling)

@@ -296,7 +296,7 @@ def test_a_halved_head_keeps_its_costs_and_sweeps_and_answers_as_vanilla(tmp_pat
     head.draft_vocab = torch.randperm(target.args.vocab_size, generator=torch.Generator().manual_seed(0))[:64]
     use_draft_vocab(head, target.output)
     entry = sizing.device_costs(target, head)
-    assert set(entry["level_half"]) == {"4", "10"} and all(0 <= entry["level_half"][k] <= entry["level"][k] for k in ("4", "10"))
+    assert set(entry["level_half"]) == {"4", "10"} and all(entry["level_half"][k] > 0 for k in ("4", "10"))  # timed: no order asserted
     assert len(head.draft_vocab) == 64 and head.lm_head.out_features == 64  # timing the half left the head as it was
     key, swept = sizing.cache_key(target, head), sizing.swept_key(False, head)
     cheap = {**entry, "level_half": {k: 0.0 for k in ("4", "10")}}  # a half that costs nothing: always taken greedy
