@@ -123,7 +123,7 @@ def run_rows(gen, B: int, sampling, take, commit, step=None, counts=None) -> flo
             key, prompt = item
             x = torch.tensor([prompt], device=device)
             h, feats = gen.prefill(gen.target, x, torch.tensor(0, device=device))
-            first = int(sampling.draw(gen.target.output(h[-1])))
+            first = int(ops.lm_head_draw(gen.target.output, h[-1], sampling))
             if gen.spec:
                 gen._start(x, feats, torch.tensor(first, device=device))
             gen.rows.save(b)

@@ -45,8 +45,8 @@ def layered_prefill(model: Transformer, prompt: Tensor, start: Tensor) -> tuple:
 
 
 def decode_one(model: Transformer, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
-    logits, _ = model(token.view(1, 1), pos, pos, causal_mask(pos, model.max_seq_length))
-    return sampling.draw(logits[0, -1]).view(1)
+    h, _ = model.hidden(token.view(1, 1), pos, pos, causal_mask(pos, model.max_seq_length))
+    return ops.lm_head_draw(model.output, h[0, -1], sampling).view(1)
 
 
 def decode_row(target: Transformer, _drafter, _state, token: Tensor, pos: Tensor, sampling: Sampling) -> Tensor:
@@ -230,7 +230,7 @@ class Generator:
             self.kv_streams[self.target] = (None, [])  # until this answer is done (an interrupted one leaves nothing to reuse)
             x = torch.tensor([prompt], device=self.device)
             h, feats = self.prefill(self.target, torch.tensor([prompt[start:]], device=self.device), torch.tensor(start, device=self.device))
-            root = sampling.draw(self.target.output(h[-1]))
+            root = ops.lm_head_draw(self.target.output, h[-1], sampling)
             sync()
             prefill_seconds = time.perf_counter() - t0
             lap and lap("prefill")

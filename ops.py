@@ -25,13 +25,8 @@ def topk(x: Tensor, k: int) -> tuple:
     return torch.topk(x, k, dim=-1)  # (values, indices) of each row's k largest, descending: the draft tree's choice
 
 
-def samples(logits: Tensor) -> bool:
-    """Whether sample serves these logits."""
-    return False
-
-
-def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
-    raise NotImplementedError  # sampling.sample's inverse-CDF draw at float64 uniforms u, one a row, from the logits
+def lm_head_draw(output, h: Tensor, sampling, noise=None) -> Tensor:
+    return sampling.draw(output(h), noise)  # the target's draw from its LM head over h: a backend may skip most logits
 
 
 def choose(compile, target, log=print):

@@ -61,8 +61,6 @@ def draw(logits: Tensor, temperature: float, top_k: int = 0, top_p: float = 1.0,
     if noise is not None:  # a row's log-normaliser does not move its argmax; -inf where top-k or top-p drop a token
         scaled = logits_to_probs(logits, temperature, top_k, top_p).log() if top_k or top_p < 1.0 else logits.float() / temperature
         return ops.argmax(scaled + noise)
-    if not top_k and top_p >= 1.0 and ops.samples(logits):
-        return ops.sample(logits, temperature, uniform(logits.shape[:-1], logits.device))
     return sample(logits_to_probs(logits, temperature, top_k, top_p))
 
 

@@ -23,6 +23,7 @@ from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, KERNEL_QUERIES, causal_mask, find_multiple, rope_at
 from quant import KERNEL_MAX_ROWS, QuantLinear
+from sampling import Sampling
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -183,7 +184,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
     compile_fn: how the generator will compile its steps (None: it runs them eagerly). The passes are timed
     through it, so the costs are those of the steps that will run: eager timing on a GPU is launch-bound and
     flat in T (it would always pick the largest tree), and compiling on a CPU removes per-op overhead. A target pass
-    is timed as its layers, each through one compiled graph of a layer, then its LM head (a single kernel, eagerly):
+    is timed as its layers, each through one compiled graph of a layer, then its greedy draw (eagerly: one kernel):
     the layers are alike, and a graph of all of them took minutes to compile for a few timings."""
     device, dtype = target.tok_embeddings.weight.device, target.tok_embeddings.weight.dtype
     need = CONTEXT + max(M_CHOICES) + 1
@@ -203,7 +204,8 @@ def measure_costs(target, head, compile_fn=None) -> dict:
 
     def target_pass(T):
         pos = CONTEXT + torch.arange(T, device=device)
-        x = torch.zeros(1, T, target.args.dim, dtype=dtype, device=device)
+        # states with a spread of logits, as a real pass has: from zeros every logit ties and a draw's screen keeps them all
+        x = torch.randn(1, T, target.args.dim, generator=torch.Generator().manual_seed(T)).to(device, dtype)
         mask = causal_mask(pos, target.max_seq_length)
         few_rows(T, mask, (x, 1), (pos, 0))
         run = graph(_layer_pass, T)
@@ -211,7 +213,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         def run_pass():
             for layer in target.layers:
                 run(layer, target.rope, x, pos, mask)
-            return target.output(target.norm(x))
+            return ops.lm_head_draw(target.output, target.norm(x)[0], Sampling())  # the LM head as greedy draws read it
         return run_pass
 
     def head_level(rows, fn=_head_level):
@@ -284,9 +286,9 @@ def device_name(device) -> str:
 # with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
 # of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
 # layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel; 8: a draft level's
-# top-k on eaglet::topk, attention's output written where wo reads it; 9: a level over half the draft vocabulary), so
-# older measurements are not reused.
-COSTS_VERSION = 9
+# top-k on eaglet::topk, attention's output written where wo reads it; 9: a level over half the draft vocabulary; 10: the
+# target's draws from int8 codes of its LM head, eaglet::lm_head_argmax), so older measurements are not reused.
+COSTS_VERSION = 10
 
 
 def cache_key(target, head, compiled=False) -> str:

@@ -196,18 +196,18 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
 
 def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor, chain: bool = False):
     """One target forward over the tree at positions L + depth, each node seeing the committed context and its
-    ancestors. A tree's K/V wait in the layers' k_tree for commit to keep the accepted rows (one cache write a
+    ancestors -> (post-norm states, what the LM head reads; draft features). A tree's K/V wait in the layers' k_tree for commit to keep the accepted rows (one cache write a
     cycle: KVCache.keep); a chain's rows go to slots L.. at once, where commit leaves them."""
     n = tokens.shape[0]
     if not chain:
         committed = torch.arange(live_width(st.L - 1, target.max_seq_length), device=tokens.device) < st.L
-        logits, h = target(tokens[None], st.L + depths, None, torch.cat([committed.expand(n, -1), anc], -1))
-        return logits[0], h[0]
+        out, h = target.hidden(tokens[None], st.L + depths, None, torch.cat([committed.expand(n, -1), anc], -1))
+        return out[0], h[0]
     rel = torch.arange(live_width(st.L + n - 1, target.max_seq_length), device=tokens.device) - st.L
     in_tree = (rel >= 0) & (rel < n)
     mask = (rel < 0) | (anc[:, rel.clamp(0, n - 1)] & in_tree)
-    logits, h = target(tokens[None], st.L + depths, st.L + torch.arange(n, device=tokens.device), mask)
-    return logits[0], h[0]
+    out, h = target.hidden(tokens[None], st.L + depths, st.L + torch.arange(n, device=tokens.device), mask)
+    return out[0], h[0]
 
 
 def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h, chain: bool = False):
@@ -251,9 +251,9 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     anc = spectree.ancestor_mask(parents, spec.depth)
     depths = anc.sum(-1) - 1
     lap and lap("tree")
-    logits, h = verify(target, st, tokens, anc, depths)
+    out, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
-    draws = sampling.draw(logits, None if noise is None else noise[depths])
+    draws = ops.lm_head_draw(target.output, out, sampling, None if noise is None else noise[depths])
     accept_tokens = tokens if live is None else torch.where(live, tokens, -1)  # a dead slot matches no draw
     accept_len, path, bonus = spectree.accept(accept_tokens, parents, depths, draws, spec.depth)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
@@ -268,11 +268,11 @@ def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Ten
     k = tokens.shape[0] - 1
     chain = torch.arange(k + 1, device=tokens.device)
     parents = (chain - 1).clamp(min=0)
-    logits, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain, chain=True)
+    out, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain, chain=True)
     if qs is None:
-        accept_len, path, bonus = spectree.accept(tokens, parents, chain, sampling.draw(logits), k)
+        accept_len, path, bonus = spectree.accept(tokens, parents, chain, ops.lm_head_draw(target.output, out, sampling), k)
     else:
-        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(logits), qs)
+        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.probs(target.output(out)), qs)
         path = chain.clamp(max=accept_len)
     return commit(target, st, spec, tokens, accept_len, path, bonus, h, chain=True)
 

@@ -64,6 +64,9 @@ def cost(name: str, shapes: list) -> tuple:
         x, w = shapes[0], shapes[1]
         width = {"eaglet::rows_mm_int8": 2, "eaglet::rows_mm_codes": 1}.get(name, 4)  # bytes a packed element holds
         return w[0] * w[1] * w[2] * width, 2 * rows_of(x) * w[0] * 16 * x[-1]
+    if name == "eaglet::lm_head_argmax":  # the LM head's int8 codes, 4 a word, and the draw (its exact rows are few)
+        x, codes = shapes[0], shapes[1]
+        return codes[0] * codes[1] * codes[2] * 4, 2 * rows_of(x) * codes[0] * 16 * x[-1]
     if name == "eaglet::attend":
         (b, h, t, d), k, kt = shapes[0], shapes[1], shapes[4]
         slots = k[2] + kt[2]
@@ -79,6 +82,8 @@ def part(name: str, shapes: list, target_rows: int) -> str:
     on a CPU, int8 weights. Where a head's pass has the verify's rows in fp32, it counts as the target's."""
     if name.startswith("eaglet::rows_mm"):
         return "target linears" if name != "eaglet::rows_mm_int8" and rows_of(shapes[0]) == target_rows else "head linears"
+    if name == "eaglet::lm_head_argmax":
+        return "target linears"  # its LM head, and the draw from it
     if name == "eaglet::attend":
         return "target attention" if shapes[0][2] == target_rows else "head attention"
     if name in ("eaglet::argmax", "eaglet::sample"):

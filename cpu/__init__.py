@@ -7,6 +7,7 @@ import torch
 import ops
 from cpu import inductor, kernels, linears, threads
 from draft import DraftHead
+from sampling import Sampling, uniform
 
 PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing")}  # ops.py's own, off a CPU
 
@@ -45,7 +46,21 @@ def pacing(device: torch.device):
     return threads.pacing() if device.type == "cpu" else PLAIN["pacing"](device)
 
 
+def lm_head_draw(output, h: torch.Tensor, rule: Sampling, noise=None) -> torch.Tensor:
+    """ops.lm_head_draw on a CPU: a draw that is an argmax (greedy, or Gumbel noise without top-k or top-p) from the LM
+    head's int8 screen where it has one, for up to kernels.SCREEN_MAX_ROWS rows (kernels.lm_head_argmax: the exact
+    logits' token, few of them computed); a plain sample by eaglet::sample; else sampling's own draw."""
+    t, plain = rule.temperature, not rule.top_k and rule.top_p >= 1.0
+    few = h.numel() <= kernels.SCREEN_MAX_ROWS * h.shape[-1]
+    if linears.screens(output) and few and (not t or (noise is not None and plain)):
+        return kernels.lm_head_argmax(output, h, 1.0 / (t or 1.0), noise)
+    logits = output(h)
+    if t and plain and noise is None and kernels.serves(logits):
+        return kernels.sample(logits, t, uniform(logits.shape[:-1], logits.device))
+    return rule.draw(logits, noise)
+
+
 ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, topk=kernels.topk,
-             samples=kernels.serves, sample=kernels.sample, choose=inductor.choose, prepare=prepare,
+             lm_head_draw=lm_head_draw, choose=inductor.choose, prepare=prepare,
              inductor_settings=inductor_settings, step_compiler=step_compiler, kernel_name=linears.packed_kernel,
              pacing=pacing, watch_load=threads.watch_load)

@@ -1,7 +1,8 @@
 // Hand-written kernels for bf16 passes of few rows on a CPU with AVX512-BF16 (cpu/kernels.py builds them on first use
 // and registers them as torch ops): a linear layer (rows_mm; rows_mm_f32 writing fp32 sums; rows_mm_int8 over int8
-// codes, widened to bf16 in registers), attention for few queries (attend), and the draws over fp32 logits: greedy
-// decoding's argmax, sampling's softmax draw; the draft tree's top-k.
+// codes, widened to bf16 in registers), attention for few queries (attend), the draws over fp32 logits: greedy
+// decoding's argmax, sampling's softmax draw; the draft tree's top-k; and the target's draws from its LM head's int8
+// codes, only the rows that can win computed exactly (lm_head_argmax).
 //
 // A decode step, a tree verify, a draft level and a lookup chain multiply 1 to ~16 rows by every weight. Without AMX,
 // Inductor's GEMM templates widen bf16 to fp32 and turn compute-bound past a few rows, and oneDNN does not overlap its
@@ -22,6 +23,9 @@
 #include <ATen/Parallel.h>
 #include <torch/library.h>
 #include <immintrin.h>
+#include <algorithm>
+#include <mutex>
+#include <vector>
 
 static inline void store16(at::BFloat16* y, __m512 a) { _mm256_storeu_si256((__m256i*)y, (__m256i)_mm512_cvtneps_pbh(a)); }
 static inline void store16(float* y, __m512 a) { _mm512_storeu_ps(y, a); }
@@ -259,6 +263,254 @@ at::Tensor argmax(const at::Tensor& logits) {
       int64_t arg = _mm512_mask_reduce_min_epi32(_mm512_cmp_ps_mask(best, _mm512_set1_ps(top), _CMP_EQ_OQ), at);
       for (; i < N; i++)
         if (r[i] > top) top = r[i], arg = i;
+      yp[m] = arg;
+    }
+  });
+  return y;
+}
+
+// ---------------------------------------------------------------- the LM head's draw, screened
+// A target's draw reads one thing of its logits: the argmax (greedy), or the argmax of logits / T plus a Gumbel per
+// token (tree_cycle's sampled verify). lm_head_argmax finds that token from the LM head's int8 codes, half its bf16
+// rows' bytes, with a bound on each row's error, and then computes exactly, as rows_mm_f32 does for one row, only the
+// rows whose upper bound reaches the best lower bound. The token is the argmax of those exact logits (ties: the lower
+// index), never an estimate's.
+//
+// The codes' sums are integers. Each input row x is split into two 8-bit levels, x ~ x^ = s1 q1 + s2 q2, stored as
+// q1 + 128 and q2 + 128 (vpdpbusd and AMX's tdpbusd multiply unsigned bytes by signed ones), and a row i of codes c
+// (weights ~ sw_i c) gives the estimate e_i = sw_i (s1 D1 + s2 D2), D = A - 128 C_i from the int32 sums A and C_i the
+// sum of its codes. Against the exact fp32 logit:
+//   |x.w_i - e_i| <= ||x||_1 max|w_i - sw_i c_i| + max|x - x^| sw_i ||c_i||_1 + (the fp32 sum's rounding,
+//                    at most K 2^-24 sum|x w_i| <= K 2^-24 ||x||_1 max|w_i|)
+// = ||x||_1 kx_i + max|x - x^| kq_i (kx, kq per token: kernels.screen_codes, which leaves in kx 16 more roundings of
+// 2^-24 of ||x||_1 max|w_i| for the arithmetic here; ||x||_1 here is the larger of it and s1 ||q1||_1 + s2 ||q2||_1,
+// which bounds every term of e_i). Greedy, the estimates are fp32, 16 tokens a vector, where the D are exact in fp32
+// (127^2 K < 2^24); with noise (fp64 Gumbels), fp64.
+static constexpr double SCREEN_ROUND_UP = 1.0 + 1.0 / (1 << 20);
+static constexpr float SCREEN_SLACK = 1e-6f;
+
+struct Screen {  // per input row: its two levels' scales, the bound's ||x||_1 and max|x - x^|; the bytes q + 128, rows K apart
+  std::vector<double> s1, s2, l1, ex;
+  std::vector<uint8_t> u1, u2;
+};
+
+static Screen screen_rows(const at::BFloat16* x, int64_t M, int64_t K) {
+  Screen s{std::vector<double>(M), std::vector<double>(M), std::vector<double>(M), std::vector<double>(M),
+           std::vector<uint8_t>(M * K), std::vector<uint8_t>(M * K)};
+  for (int64_t m = 0; m < M; m++) {
+    const at::BFloat16* r = x + m * K;
+    double top = 0, l1 = 0, rtop = 0, ex = 0, lq = 0;
+    for (int64_t k = 0; k < K; k++) top = std::max(top, std::fabs((double)(float)r[k])), l1 += std::fabs((double)(float)r[k]);
+    double s1 = top > 0 ? top / 127 : 1;
+    for (int64_t k = 0; k < K; k++) {
+      double v = (float)r[k];
+      rtop = std::max(rtop, std::fabs(v - s1 * std::nearbyint(v / s1)));
+    }
+    double s2 = rtop > 0 ? rtop / 127 : 1;
+    for (int64_t k = 0; k < K; k++) {
+      double v = (float)r[k], q1 = std::nearbyint(v / s1), rest = v - s1 * q1;
+      double q2 = std::min(127.0, std::max(-127.0, std::nearbyint(rest / s2)));
+      s.u1[m * K + k] = (uint8_t)(q1 + 128), s.u2[m * K + k] = (uint8_t)(q2 + 128);
+      ex = std::max(ex, std::fabs(rest - s2 * q2));
+      lq += s1 * std::fabs(q1) + s2 * std::fabs(q2);
+    }
+    s.s1[m] = s1, s.s2[m] = s2, s.l1[m] = std::max(l1, lq) * SCREEN_ROUND_UP, s.ex[m] = ex * SCREEN_ROUND_UP;
+  }
+  return s;
+}
+
+// Block b's int32 sums of R rows' bytes (u, rows K apart) by its codes (w: [K/4, 16] words of 4 codes), vpdpbusd.
+template <int R>
+static void vnni_sums(const int32_t* w, int64_t K, const uint8_t* u1, const uint8_t* u2, int32_t* a1, int32_t* a2) {
+  __m512i c1[R], c2[R];
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) c1[r] = c2[r] = _mm512_setzero_si512();
+  for (int64_t p = 0; p < K / 4; p++) {
+    __m512i wv = _mm512_loadu_si512(w + p * 16);
+#pragma GCC unroll 8
+    for (int r = 0; r < R; r++) {
+      c1[r] = _mm512_dpbusd_epi32(c1[r], _mm512_set1_epi32(*(const int32_t*)(u1 + r * K + 4 * p)), wv);
+      c2[r] = _mm512_dpbusd_epi32(c2[r], _mm512_set1_epi32(*(const int32_t*)(u2 + r * K + 4 * p)), wv);
+    }
+  }
+#pragma GCC unroll 8
+  for (int r = 0; r < R; r++) _mm512_storeu_si512(a1 + r * 16, c1[r]), _mm512_storeu_si512(a2 + r * 16, c2[r]);
+}
+
+// Two blocks' sums (the second's codes K/4 * 16 words on, its sums in a1, a2 + 256).
+static void block_sums(const int32_t* w, int64_t K, const uint8_t* u1, const uint8_t* u2, int R, int32_t* a1, int32_t* a2,
+                       bool tiles) {
+#ifdef EAGLET_AMX
+  if (tiles) {  // tiles 0-3: the two blocks' two levels' sums (R rows of 16 int32), 4, 5: the levels' bytes, 6, 7: the
+    // blocks' codes, as packed: four independent sums hide a tile multiply's latency
+    const int32_t* w2 = w + K / 4 * 16;
+    _tile_zero(0);
+    _tile_zero(1);
+    _tile_zero(2);
+    _tile_zero(3);
+    for (int64_t k = 0; k < K; k += 64) {
+      _tile_loadd(4, u1 + k, K);
+      _tile_loadd(5, u2 + k, K);
+      _tile_loadd(6, w + k / 4 * 16, 64);
+      _tile_loadd(7, w2 + k / 4 * 16, 64);
+      _tile_dpbusd(0, 4, 6);
+      _tile_dpbusd(1, 5, 6);
+      _tile_dpbusd(2, 4, 7);
+      _tile_dpbusd(3, 5, 7);
+    }
+    _tile_stored(0, a1, 64);
+    _tile_stored(1, a2, 64);
+    _tile_stored(2, a1 + 256, 64);
+    _tile_stored(3, a2 + 256, 64);
+    MEMORY_BARRIER
+    return;
+  }
+#endif
+  for (int half = 0; half < 2; half++, w += K / 4 * 16, a1 += 256, a2 += 256) {
+    for (int m = 0; m < R; m += 8) {
+      switch (std::min(8, R - m)) {
+#define SUMS(n) case n: vnni_sums<n>(w, K, u1 + m * K, u2 + m * K, a1 + m * 16, a2 + m * 16); break;
+        SUMS(1) SUMS(2) SUMS(3) SUMS(4) SUMS(5) SUMS(6) SUMS(7) SUMS(8)
+#undef SUMS
+      }
+    }
+  }
+}
+
+using Kept = std::vector<std::pair<int64_t, double>>;  // (token, its upper bound)
+
+// One row's 16 tokens from i: their estimates and bounds; lane (per vector lane, fp32: 16, fp64: 2 x 8) keeps the best
+// lower bound it has seen, a bound that only rises, so what it drops the row's final one drops too; kept gets the
+// tokens whose upper bound reaches it.
+static inline void screen16_f32(const int32_t* a1, const int32_t* a2, int64_t i, const float* st, int64_t V, const Screen& s,
+                                int64_t row, __m512* lane, Kept& kept) {
+  __m512i c128 = _mm512_slli_epi32(_mm512_cvtps_epi32(_mm512_loadu_ps(st + V + i)), 7);
+  __m512 d1 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(a1), c128));
+  __m512 d2 = _mm512_cvtepi32_ps(_mm512_sub_epi32(_mm512_load_si512(a2), c128));
+  __m512 e = _mm512_mul_ps(_mm512_loadu_ps(st + i), _mm512_fmadd_ps(_mm512_set1_ps(s.s1[row]), d1, _mm512_mul_ps(_mm512_set1_ps(s.s2[row]), d2)));
+  __m512 bound = _mm512_fmadd_ps(_mm512_set1_ps(s.l1[row]), _mm512_loadu_ps(st + 2 * V + i),
+                                 _mm512_fmadd_ps(_mm512_set1_ps(s.ex[row]), _mm512_loadu_ps(st + 3 * V + i), _mm512_set1_ps(SCREEN_SLACK)));
+  __m512 hi = _mm512_add_ps(e, bound);
+  *lane = _mm512_max_ps(*lane, _mm512_sub_ps(e, bound));
+  __mmask16 k = _mm512_cmp_ps_mask(hi, *lane, _CMP_GE_OQ);
+  if (!k) return;
+  alignas(64) float up[16];
+  _mm512_store_ps(up, hi);
+  for (; k; k &= k - 1) kept.emplace_back(i + __builtin_ctz(k), up[__builtin_ctz(k)]);
+}
+
+static inline void screen16_f64(const int32_t* a1, const int32_t* a2, int64_t i, const float* st, int64_t V, const Screen& s,
+                                int64_t row, const double* g, double inv_t, __m512d* lane, Kept& kept) {
+  for (int h = 0; h < 16; h += 8) {
+    __m512d c = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(st + V + i + h)), _mm512_set1_pd(128));
+    __m512d d1 = _mm512_sub_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(a1 + h))), c);
+    __m512d d2 = _mm512_sub_pd(_mm512_cvtepi32_pd(_mm256_load_si256((const __m256i*)(a2 + h))), c);
+    __m512d e = _mm512_mul_pd(_mm512_cvtps_pd(_mm256_loadu_ps(st + i + h)),
+                              _mm512_fmadd_pd(_mm512_set1_pd(s.s1[row]), d1, _mm512_mul_pd(_mm512_set1_pd(s.s2[row]), d2)));
+    __m512d bound = _mm512_fmadd_pd(_mm512_set1_pd(s.l1[row]), _mm512_cvtps_pd(_mm256_loadu_ps(st + 2 * V + i + h)),
+                                    _mm512_fmadd_pd(_mm512_set1_pd(s.ex[row]), _mm512_cvtps_pd(_mm256_loadu_ps(st + 3 * V + i + h)),
+                                                    _mm512_set1_pd(SCREEN_SLACK)));
+    __m512d it = _mm512_set1_pd(inv_t), gi = g ? _mm512_loadu_pd(g + i + h) : _mm512_setzero_pd();
+    __m512d hi = _mm512_fmadd_pd(_mm512_add_pd(e, bound), it, gi);
+    lane[h / 8] = _mm512_max_pd(lane[h / 8], _mm512_fmadd_pd(_mm512_sub_pd(e, bound), it, gi));
+    __mmask8 k = _mm512_cmp_pd_mask(hi, lane[h / 8], _CMP_GE_OQ);
+    if (!k) continue;
+    alignas(64) double up[8];
+    _mm512_store_pd(up, hi);
+    for (; k; k &= k - 1) kept.emplace_back(i + h + __builtin_ctz(k), up[__builtin_ctz(k)]);
+  }
+}
+
+// x bf16 [..., K]; codes int32 [V/16, K/4, 16] (kernels.screen_codes); w: the same rows as kernels.pack's bf16; stats
+// fp32 [4, V]: sw, C, kx, kq (screen_codes); noise: fp64 [..., V] Gumbels or empty (greedy); inv_t 1/T.
+// -> int64 [...]: argmax_i (exact_i * inv_t + noise_i), exact_i what rows_mm_f32 computes for the row alone.
+at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& w, const at::Tensor& stats,
+                          const at::Tensor& noise_, double inv_t) {
+  auto x = input.contiguous();
+  int64_t K = x.size(-1), M = x.numel() / K, blocks = codes.size(0), V = blocks * 16, pairs = K / 2;
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16 && codes.scalar_type() == at::kInt && codes.dim() == 3 && codes.size(1) * 4 == K
+              && codes.size(2) == 16 && w.scalar_type() == at::kInt && w.size(0) == blocks && w.size(1) == pairs
+              && stats.scalar_type() == at::kFloat && stats.numel() == 4 * V && stats.is_contiguous() && K % 4 == 0,
+              "eaglet::lm_head_argmax: bf16 rows, screen_codes' codes and stats, kernels.pack's weight");
+  auto noise = noise_.numel() ? noise_.contiguous() : noise_;
+  TORCH_CHECK(!noise.numel() || (noise.scalar_type() == at::kDouble && noise.numel() == M * V),
+              "eaglet::lm_head_argmax: fp64 noise, a row of V for each input row");
+  auto sizes = x.sizes().vec();
+  sizes.pop_back();
+  auto y = at::empty(sizes, x.options().dtype(at::kLong));
+  if (!M) return y;
+  const auto xb = (const at::BFloat16*)x.data_ptr();
+  const int32_t* cw = codes.data_ptr<int32_t>();
+  const float* st = stats.data_ptr<float>();
+  const double* g = noise.numel() ? noise.data_ptr<double>() : nullptr;
+  const bool f32 = !g && 127 * 127 * K < (1 << 24);
+  Screen s = screen_rows(xb, M, K);
+  std::vector<double> floor(M, -INFINITY);  // each row's best lower bound
+  std::vector<Kept> kept(M);
+  std::mutex merge;
+  bool tiles = false;
+#ifdef EAGLET_AMX
+  tiles = amx_on && K % 64 == 0;  // from one row: a decode step measured faster so than on vpdpbusd (docs/cpu.md)
+#endif
+  TORCH_CHECK(blocks % 2 == 0, "eaglet::lm_head_argmax: a vocabulary of whole 32s");
+  at::parallel_for(0, blocks / 2, 1, [&](int64_t p0, int64_t p1) {  // pairs of blocks
+    std::vector<__m512> lanes(M, _mm512_set1_ps(-INFINITY));
+    std::vector<__m512d> lanes2(2 * M, _mm512_set1_pd(-INFINITY));
+    std::vector<Kept> mine(M);
+    alignas(64) int32_t a1[512], a2[512];
+#ifdef EAGLET_AMX
+    int configured = 0;
+#endif
+    for (int64_t b = 2 * p0; b < 2 * p1; b += 2) {
+      for (int64_t m = 0; m < M; m += 16) {
+        int R = (int)std::min<int64_t>(16, M - m);
+#ifdef EAGLET_AMX
+        if (tiles && configured != R) {
+          TileConfig c = {};
+          c.palette = 1;
+          for (int t = 0; t < 8; t++) c.rows[t] = t < 6 ? R : 16, c.colsb[t] = 64;
+          _tile_loadconfig(&c);
+          configured = R;
+        }
+#endif
+        block_sums(cw + b * (K / 4) * 16, K, s.u1.data() + m * K, s.u2.data() + m * K, R, a1, a2, tiles);
+        for (int half = 0; half < 2; half++)
+          for (int r = 0; r < R; r++) {
+            int64_t i = (b + half) * 16;
+            int32_t *s1 = a1 + half * 256 + r * 16, *s2 = a2 + half * 256 + r * 16;
+            if (f32)
+              screen16_f32(s1, s2, i, st, V, s, m + r, &lanes[m + r], mine[m + r]);
+            else
+              screen16_f64(s1, s2, i, st, V, s, m + r, g ? g + (m + r) * V : nullptr, inv_t, &lanes2[2 * (m + r)], mine[m + r]);
+          }
+      }
+    }
+#ifdef EAGLET_AMX
+    if (configured) _tile_release();
+#endif
+    std::lock_guard<std::mutex> hold(merge);
+    for (int64_t m = 0; m < M; m++) {
+      double best = f32 ? _mm512_reduce_max_ps(lanes[m]) : std::max(_mm512_reduce_max_pd(lanes2[2 * m]), _mm512_reduce_max_pd(lanes2[2 * m + 1]));
+      floor[m] = std::max(floor[m], best);
+      kept[m].insert(kept[m].end(), mine[m].begin(), mine[m].end());
+    }
+  });
+  const int32_t* wp = (const int32_t*)w.data_ptr();
+  int64_t* yp = y.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    alignas(64) float exact[16];
+    for (int64_t m = m0; m < m1; m++) {
+      const int32_t* xm = (const int32_t*)(xb + m * K);
+      int64_t arg = -1, held = -1;
+      double top = -INFINITY;
+      std::sort(kept[m].begin(), kept[m].end());  // by token: ties go to the lower one, and a block is summed once
+      for (auto [i, hi] : kept[m]) {
+        if (hi < floor[m]) continue;
+        if (i / 16 != held)  // the block's 16 logits as rows_mm_f32 sums them for one row (tile<1, NB>, any NB)
+          held = i / 16, tile<1, 1, int32_t, float>(wp + held * pairs * 16, pairs * 16, xm, pairs, pairs, exact, 16, nullptr);
+        double score = g ? (double)exact[i % 16] * inv_t + g[m * V + i] : (double)exact[i % 16];
+        if (score > top || arg < 0) top = score, arg = i;
+      }
       yp[m] = arg;
     }
   });
@@ -717,6 +969,7 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("amx_set(bool on, int min_rows, int attend_rows) -> bool", &amx_set);
   m.def("argmax(Tensor logits) -> Tensor");
+  m.def("lm_head_argmax(Tensor x, Tensor codes, Tensor w, Tensor stats, Tensor noise, float inv_t) -> Tensor");
   m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("sample(Tensor logits, Tensor u, float inv_t) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
@@ -726,6 +979,7 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("rows_mm_f32", &rows_mm_f32);
   m.impl("rows_mm_int8", &rows_mm_int8);
   m.impl("argmax", &argmax);
+  m.impl("lm_head_argmax", &lm_head_argmax);
   m.impl("topk", &topk);
   m.impl("sample", &sample);
   m.impl("attend", &attend);

@@ -1,8 +1,9 @@
 # The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them) and of
 # kernels_fp32.cpp (fp32 passes of few rows on AVX2): built on first use with torch.utils.cpp_extension, registered as
-# torch ops (eaglet::rows_mm, attend, argmax, topk, sample; eaglet::rows_mm_fp32, rows_mm_codes) with shape functions
-# for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
-# attend, argmax, topk and sample to ops.py; cpu/linears.py runs the linears on rows_mm.
+# torch ops (eaglet::rows_mm, attend, argmax, topk, sample, lm_head_argmax; eaglet::rows_mm_fp32, rows_mm_codes) with
+# shape functions for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
+# attend, argmax, topk and the target's draws (lm_head_argmax, sample) to ops.py; cpu/linears.py runs the linears on
+# rows_mm and keeps the LM head's screen.
 import functools
 import os
 import platform
@@ -19,6 +20,9 @@ LANES = 16  # outputs a vector holds (fp32 accumulators)
 BUILT = False  # the eaglet:: ops are registered (build() built them)
 AMX = False  # the rows_mm ops run on AMX tiles (build() found them and Linux granted them)
 AMX_MIN_ROWS = 3  # fewer rows keep vdpbf16ps: a compiled one-row decode step, its linears between vector code, ran slower on tiles
+# lm_head_argmax for at most this many rows: its two 8-bit levels cost twice the bf16 head's tile multiplies, which
+# past about 32 rows cost more than the bytes it saves (docs/cpu.md)
+SCREEN_MAX_ROWS = 32
 AMX_ATTEND_ROWS = 8  # attend on tiles from this many query rows a KV head (a tree verify's; a decode step's 3 stay on vectors)
 SOURCE = Path(__file__).with_name("kernels.cpp")
 SOURCE_FP32 = Path(__file__).with_name("kernels_fp32.cpp")
@@ -36,8 +40,9 @@ def cpu_flags() -> set:
 
 
 def cpu_has_bf16_dot() -> bool:
-    """AVX512-BF16 (vdpbf16ps), read from the CPU's flags; elsewhere the kernels are never built."""
-    return "avx512_bf16" in cpu_flags()
+    """AVX512-BF16 (vdpbf16ps) and AVX512-VNNI (vpdpbusd, which every CPU with the first has), read from the CPU's
+    flags; elsewhere the kernels are never built."""
+    return {"avx512_bf16", "avx512_vnni"} <= cpu_flags()
 
 
 def cpu_has_fma() -> bool:
@@ -46,8 +51,9 @@ def cpu_has_fma() -> bool:
 
 
 def cpu_has_amx() -> bool:
-    """AMX tiles with bf16 (rows_mm's tile path); EAGLET_AMX=0 keeps vdpbf16ps, for comparison."""
-    return {"amx_tile", "amx_bf16"} <= cpu_flags() and os.environ.get("EAGLET_AMX") != "0"
+    """AMX tiles with bf16 and int8 (rows_mm's and lm_head_argmax's tile paths); EAGLET_AMX=0 keeps vdpbf16ps and
+    vpdpbusd, for comparison."""
+    return {"amx_tile", "amx_bf16", "amx_int8"} <= cpu_flags() and os.environ.get("EAGLET_AMX") != "0"
 
 
 @functools.cache
@@ -59,11 +65,11 @@ def build() -> bool:
         return False
     from torch.utils.cpp_extension import load
 
-    for amx in ([["-mamx-tile", "-mamx-bf16", "-DEAGLET_AMX"]] if cpu_has_amx() else []) + [[]]:  # a compiler without AMX: vdpbf16ps
+    for amx in ([["-mamx-tile", "-mamx-bf16", "-mamx-int8", "-DEAGLET_AMX"]] if cpu_has_amx() else []) + [[]]:  # a compiler without AMX: vdpbf16ps
         try:
             with ticking("building the CPU kernels (once per machine)", functools.partial(print, file=sys.stderr)):
                 load("eaglet_rows_mm" + "_amx" * bool(amx), sources=[str(SOURCE)], is_python_module=False,
-                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", *amx],
+                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", *amx],
                      extra_ldflags=["-fopenmp"])
             break
         except Exception as e:  # no compiler, no ninja: a slower path, not a failure
@@ -78,6 +84,8 @@ def build() -> bool:
         torch.library.register_vmap(f"eaglet::{op}")(functools.partial(batch_rule, getattr(torch.ops.eaglet, op)))
     torch.library.register_fake("eaglet::argmax")(lambda x: x.new_empty(x.shape[:-1], dtype=torch.long))
     torch.library.register_vmap("eaglet::argmax")(functools.partial(batch_rule, torch.ops.eaglet.argmax))
+    torch.library.register_fake("eaglet::lm_head_argmax")(lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.long))
+    torch.library.register_vmap("eaglet::lm_head_argmax")(lm_head_batch_rule)
     torch.library.register_fake("eaglet::topk")(lambda x, k: (x.new_empty(*x.shape[:-1], k),
                                                               x.new_empty(*x.shape[:-1], k, dtype=torch.long)))
     torch.library.register_vmap("eaglet::topk")(topk_batch_rule)
@@ -131,6 +139,14 @@ def topk_batch_rule(info, in_dims, x, k):
 def sample_batch_rule(info, in_dims, logits, u, inv_t):
     """Under batch.py's vmap: the logits' and uniforms' batch dims to the front, one call."""
     return torch.ops.eaglet.sample(*(to_front(x, d, info.batch_size) for x, d in zip((logits, u), in_dims)), inv_t), 0
+
+
+def lm_head_batch_rule(info, in_dims, x, codes, w, stats, noise, inv_t):
+    """Under batch.py's vmap: the rows' (and their noise's) batch dim to the front, one call."""
+    if any(d is not None for d in in_dims[1:4]):
+        raise NotImplementedError("eaglet::lm_head_argmax batched over its weights")
+    noise = to_front(noise, in_dims[4], info.batch_size) if noise.numel() else noise
+    return torch.ops.eaglet.lm_head_argmax(to_front(x, in_dims[0], info.batch_size), codes, w, stats, noise, inv_t), 0
 
 
 def attend_batch_rule(info, in_dims, *args):
@@ -201,6 +217,44 @@ def pack_int8(codes: Tensor) -> Tensor:
     out_features, in_features = codes.shape
     return codes.reshape(out_features // LANES, LANES, in_features // 2, 2).transpose(1, 2).contiguous() \
         .view(torch.int16).view(out_features // LANES, in_features // 2, LANES)
+
+
+def screens(linear: nn.Module) -> bool:
+    """Whether eaglet::lm_head_argmax serves draws from this LM head: bf16 rows packed for rows_mm (its exact
+    logits), a vocabulary of whole 32s (the kernel takes two blocks of 16 at a time), on a CPU with the kernels."""
+    w = linear.weight
+    return BUILT and w.dtype == torch.bfloat16 and w.device.type == "cpu" and w.shape[0] % (2 * LANES) == 0 and w.shape[1] % 4 == 0
+
+
+def screen_codes(weight: Tensor) -> tuple:
+    """bf16 [V, K] -> lm_head_argmax's int8 codes and per-row stats: codes int32 [V/16, K/4, 16], word (b, p, i) the
+    codes of weight[16b + i, 4p : 4p + 4] (vpdpbusd's and the int8 B tile's layout); stats fp32 [4, V]: each row's
+    scale sw (codes ~ weight / sw, |code| <= 127), its codes' sum C, and the bound's factors kx = max|w - sw code| +
+    (K + 16) 2^-24 max|w| (the estimate's weight error, the exact fp32 sum's rounding and the kernel's own, per unit of
+    ||x||_1) and kq = sw sum|code| (per unit of max|x - x^|), both rounded up (kernels.cpp's lm_head_argmax)."""
+    V, K = weight.shape
+    w = weight.double()
+    top = w.abs().amax(1)
+    sw = torch.where(top > 0, top / 127, torch.ones_like(top)).float().double()  # the fp32 scale the kernel multiplies by
+    codes = torch.round(w / sw[:, None]).clamp(-127, 127)
+    kx = (w - codes * sw[:, None]).abs().amax(1) + (K + 16) * 2.0 ** -24 * top
+    kq = sw * codes.abs().sum(1)
+    stats = torch.stack([sw, codes.sum(1), up(kx), up(kq)]).float().contiguous()
+    packed = codes.to(torch.int8).reshape(V // LANES, LANES, K // 4, 4).transpose(1, 2).contiguous()
+    return packed.view(torch.int32).view(V // LANES, K // 4, LANES), stats
+
+
+def up(x: Tensor) -> Tensor:
+    """fp64 -> the fp32 values at or above it."""
+    f = x.float()
+    return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f).double()
+
+
+def lm_head_argmax(linear: nn.Module, h: Tensor, inv_t: float = 1.0, noise=None) -> Tensor:
+    """argmax(linear(h) * inv_t + noise) over the last dim (noise: fp64 Gumbels like it, or None at T=0) by
+    eaglet::lm_head_argmax from linear's screen (cpu/linears.py), the logits those of one row through rows_mm_f32."""
+    noise = h.new_empty(0, dtype=torch.float64) if noise is None else noise
+    return torch.ops.eaglet.lm_head_argmax(h, linear.codes, linear.packed, linear.stats, noise, inv_t)
 
 
 def pack_fp32(weight: Tensor) -> Tensor:

@@ -74,6 +74,15 @@ class RowsLinear(PackedLinear):
         # An fp32 weight that is a GGUF's Q4_1 or Q8_0 blocks, bit for bit, is read as its int8 codes with a scale and
         # an offset every 32 inputs: a quarter of the bytes, the same fp32 weights and sums (kernels_fp32.cpp).
         self.register_buffer("scales", codes[1] if codes else None, persistent=False)
+        self.screen()
+
+    def screen(self):
+        """An LM head's int8 codes and error bounds (kernels.screen_codes), from which kernels.lm_head_argmax draws
+        without computing every logit, where it serves; else none."""
+        serves = self.fp32_out and self.packed is not None and self.scales is None and kernels.screens(self)
+        codes, stats = kernels.screen_codes(self.weight.detach()) if serves else (None, None)
+        self.register_buffer("codes", codes, persistent=False)
+        self.register_buffer("stats", stats, persistent=False)
 
     def forward(self, x: Tensor) -> Tensor:
         gemm = not self.fp32_out and x.numel() >= GEMM_ROWS * self.in_features  # fp32 logits stay the kernel's
@@ -126,7 +135,13 @@ def logits_in_fp32(model: nn.Module) -> nn.Module:
         if not isinstance(model.output, RowsLinear):
             model.output = RowsLinear(model.output)
         model.output.fp32_out = True
+        model.output.screen()
     return model
+
+
+def screens(linear: nn.Module) -> bool:
+    """Whether kernels.lm_head_argmax draws from this LM head (cpu.lm_head_draw asks)."""
+    return getattr(linear, "codes", None) is not None
 
 
 def pack_linears(*models):

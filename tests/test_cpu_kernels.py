@@ -469,3 +469,108 @@ def test_a_packed_draft_head_reads_int8_codes_and_stays_lossless(tiny_args, rand
         accepted += sum(out.accept_hist[1:])
     assert accepted  # some drafts were kept: the int8 ranks took part
     assert [r.token_ids for r in gen.generate_batch(prompts, 24)] == alone  # vmapped: the op's batch rule
+
+
+def screened_head(w):
+    """An LM head of bf16 rows w as linears.logits_in_fp32 leaves one: the packed rows, the screen's codes and stats."""
+    head = nn.Linear(w.shape[1], w.shape[0], bias=False).bfloat16()
+    head.weight.data.copy_(w)
+    model = nn.Module()
+    model.output = head
+    linears.logits_in_fp32(model)
+    assert linears.screens(model.output)
+    return model.output
+
+
+def one_row_logits(head, x):
+    """Each row's fp32 logits as rows_mm_f32 sums them for that row alone, on vdpbf16ps (lm_head_argmax's exact sums)."""
+    torch.ops.eaglet.amx_set(False, 1, 1)
+    try:
+        return torch.stack([torch.ops.eaglet.rows_mm_f32(r[None], head.packed)[0] for r in x.reshape(-1, x.shape[-1])])
+    finally:
+        torch.ops.eaglet.amx_set(kernels.AMX, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
+
+
+def near_ties(V=4096, K=576, seed=0):
+    """Rows in families of 64 near-copies (a base row plus noise at the int8 codes' step) and inputs with a few large
+    entries, as a model's hidden states have: many logits within the codes' error of the best, where only the exact
+    sums can tell which wins."""
+    torch.manual_seed(seed)
+    base = torch.randn(V // 64, K) * 0.05
+    w = (base.repeat_interleave(64, 0) + torch.randn(V, K) * 0.05 / 127).bfloat16()
+    w[7] = w[6]  # an exact tie: the lower token wins
+    x = torch.randn(40, K)
+    x[:, :4] *= 20
+    x[5] = 0.0
+    return w, x.bfloat16()
+
+
+def test_lm_head_argmax_is_the_argmax_of_the_exact_logits(path):
+    """eaglet::lm_head_argmax (the target's draws from its LM head on a CPU with the kernels): the token of the exact
+    fp32 logits, not of the int8 codes' estimate, for 1-17 and 40 rows with leading dims, exact ties to the lower token,
+    with fp64 Gumbel noise at a temperature argmax(logits / T + noise); on rows whose logits lie within the codes' error
+    of each other. The wrong rules fail there: no error bound (the estimate's argmax, then checked exactly), or noise
+    ignored."""
+    w, x = near_ties()
+    head = screened_head(w)
+    exact = one_row_logits(head, x).view(40, -1)
+    want = exact.argmax(-1)
+    for rows in [*range(1, 18), 40]:
+        got = torch.cat([kernels.lm_head_argmax(head, x[i:i + rows]) for i in range(0, 40, rows)])
+        assert torch.equal(got, want), rows
+    assert torch.equal(kernels.lm_head_argmax(head, x.view(2, 20, -1)), want.view(2, 20))
+    tie = torch.zeros(1, x.shape[1]).bfloat16()
+    tie[0, 0] = 1.0
+    head.weight.data[6:8] = 1e3  # two equal rows, far above the rest
+    head.pack()  # the packed rows and the screen follow the weight
+    assert kernels.lm_head_argmax(head, tie).item() == 6 and one_row_logits(head, tie).argmax().item() == 6
+    head.weight.data.copy_(w)
+    head.pack()
+    noise = sampling.gumbel((40, w.shape[0]), "cpu")
+    drawn = (exact.double() / 0.7 + noise).argmax(-1)
+    assert torch.equal(kernels.lm_head_argmax(head, x, 1 / 0.7, noise), drawn)
+    assert not torch.equal(drawn, want)  # the noise moved draws: a kernel ignoring it fails above
+    stats = head.stats.clone()
+    head.stats[2:] = 0  # no error bound: the estimate's best, computed exactly, misses the true best
+    assert not torch.equal(kernels.lm_head_argmax(head, x), want)
+    head.stats.copy_(stats)
+
+
+def test_lm_head_argmax_in_compiled_and_vmapped_graphs():
+    """The op in a compiled graph (its shape function) and under batch.py's vmap (its batch rule), noise batched too."""
+    w, x = near_ties(V=256, K=64)
+    head = screened_head(w)
+    want = one_row_logits(head, x).argmax(-1)
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        out, (code, *_) = run_and_get_code(torch.compile(lambda x: kernels.lm_head_argmax(head, x + 0), fullgraph=True, dynamic=False), x)
+    assert torch.equal(out, want) and "eaglet.lm_head_argmax" in code
+    assert torch.equal(torch.vmap(lambda x: kernels.lm_head_argmax(head, x))(x.view(4, 10, -1)), want.view(4, 10))
+    noise = sampling.gumbel((40, 256), "cpu")
+    drawn = (one_row_logits(head, x).double() + noise).argmax(-1)
+    got = torch.vmap(lambda x, g: kernels.lm_head_argmax(head, x, 1.0, g))(x.view(4, 10, -1), noise.view(4, 10, -1))
+    assert torch.equal(got, drawn.view(4, 10))
+
+
+def test_draws_read_the_screen_and_decode_as_the_logits_do(monkeypatch):
+    """A bf16 target's draws go through its LM head's screen (ops.lm_head_draw), greedy and with a tree's Gumbel
+    noise, never with top-p; without the screen (every logit computed, then drawn) vanilla decoding gives the same tokens."""
+    import ops
+    from conftest import _random_model, _tiny_args
+    from eaglet import Generator
+
+    target = _random_model(_tiny_args(vocab_size=512), seed=0).bfloat16()
+    gen = Generator(target)
+    calls, screened = [], kernels.lm_head_argmax
+    monkeypatch.setattr(kernels, "lm_head_argmax", lambda *a: calls.append(a) or screened(*a))
+    got = gen.generate([1, 2, 3], max_new_tokens=24).token_ids
+    assert len(calls) == 24  # the prefill's token and every decode step's
+    h = torch.randn(3, 64).bfloat16()
+    noise = sampling.gumbel((3, 512), "cpu")
+    assert torch.equal(ops.lm_head_draw(target.output, h, sampling.Sampling(0.8), noise),
+                       (one_row_logits(target.output, h).double() / 0.8 + noise).argmax(-1))
+    assert len(calls) == 25
+    ops.lm_head_draw(target.output, h, sampling.Sampling(0.8, top_p=0.9), noise)  # top-p needs every logit
+    assert len(calls) == 25
+    monkeypatch.setattr(linears, "screens", lambda output: False)
+    assert gen.generate([1, 2, 3], max_new_tokens=24).token_ids == got and len(calls) == 25

@@ -119,7 +119,8 @@ SAMPLES = 100_000
 
 
 class MarkovTarget(nn.Module):
-    """speculate's target interface: (logits, features) of a pass, the row of each token; no KV to keep."""
+    """speculate's target interface: (what its LM head reads, features) of a pass, the row of each token; its LM head
+    the identity, so the first is the logits; no KV to keep."""
 
     def __init__(self, logits: torch.Tensor, max_seq_length: int):
         super().__init__()
@@ -129,7 +130,7 @@ class MarkovTarget(nn.Module):
         self.output = nn.Identity()
         self.register_buffer("table", logits)
 
-    def forward(self, tokens, input_pos, cache_pos, mask):
+    def hidden(self, tokens, input_pos, cache_pos, mask):
         return self.table[tokens], F.one_hot(tokens, self.table.shape[0]).float()
 
     def keep_kv(self, rows, dst):

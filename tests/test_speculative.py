@@ -11,7 +11,6 @@ import sampling
 import spectree
 import speculate
 import quant
-import ops
 from cpu import kernels
 from draft import EagleHead, use_draft_vocab
 from eaglet import Generator
@@ -374,12 +373,12 @@ T06 = Sampling(0.6)  # no top-k or top-p: the draw the C++ kernel serves (kernel
 @pytest.fixture(params=[True, False], ids=["cpp-draw", "torch-draw"])
 def cpp_draw(request, monkeypatch):
     """Forces the draws without noise through eaglet::sample (skipped where it does not build) or torch's inverse CDF;
-    -> the calls ops.sample took."""
+    -> the calls kernels.sample took."""
     if request.param and not kernels.build():
         pytest.skip("the C++ kernels do not run here")
     monkeypatch.setattr(kernels, "BUILT", request.param)
-    calls, real = [], ops.sample
-    monkeypatch.setattr(ops, "sample", lambda *a: calls.append(1) or real(*a))
+    calls, real = [], kernels.sample
+    monkeypatch.setattr(kernels, "sample", lambda *a: calls.append(1) or real(*a))
     return calls
 
 
@@ -395,7 +394,7 @@ def test_sampling_at_a_temperature_below_1_follows_the_target(small_vocab, chi2_
 def test_the_temperature_test_rejects_the_cpp_draw_at_the_inverse_temperature(small_vocab, chi2_pvalue, monkeypatch):
     if not kernels.build():
         pytest.skip("the C++ kernels do not run here")
-    monkeypatch.setattr(ops, "sample", lambda logits, temperature, u: torch.ops.eaglet.sample(logits, u, temperature))
+    monkeypatch.setattr(kernels, "sample", lambda logits, temperature, u: torch.ops.eaglet.sample(logits, u, temperature))
     counts, _ = sample_first_tokens(Generator(small_vocab.target), T06)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) < 1e-3
 
