@@ -134,8 +134,9 @@ def logits_in_fp32(model: nn.Module) -> nn.Module:
     if model.output.weight.dtype == torch.bfloat16 and kernels.fits(model.output):
         if not isinstance(model.output, RowsLinear):
             model.output = RowsLinear(model.output)
-        model.output.fp32_out = True
-        model.output.screen()
+        if not model.output.fp32_out:  # prepared once already (the sizing's, then the Generator's): screened once
+            model.output.fp32_out = True
+            model.output.screen()
     return model
 
 
