@@ -239,12 +239,12 @@ def screen_codes(weight: Tensor) -> tuple:
     codes = torch.round(w / sw[:, None]).clamp(-127, 127)
     kx = (w - codes * sw[:, None]).abs().amax(1) + (K + 16) * 2.0 ** -24 * top
     kq = sw * codes.abs().sum(1)
-    stats = torch.stack([sw, codes.sum(1), up(kx), up(kq)]).float().contiguous()
+    stats = torch.stack([sw, codes.sum(1), round_up_fp32(kx), round_up_fp32(kq)]).float().contiguous()
     packed = codes.to(torch.int8).reshape(V // LANES, LANES, K // 4, 4).transpose(1, 2).contiguous()
     return packed.view(torch.int32).view(V // LANES, K // 4, LANES), stats
 
 
-def up(x: Tensor) -> Tensor:
+def round_up_fp32(x: Tensor) -> Tensor:
     """fp64 -> the fp32 values at or above it."""
     f = x.float()
     return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f).double()

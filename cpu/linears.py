@@ -79,7 +79,7 @@ class RowsLinear(PackedLinear):
     def screen(self):
         """An LM head's int8 codes and error bounds (kernels.screen_codes), from which kernels.lm_head_argmax draws
         without computing every logit, where it serves; else none."""
-        serves = self.fp32_out and self.packed is not None and self.scales is None and kernels.screens(self)
+        serves = self.fp32_out and self.packed is not None and kernels.screens(self)
         codes, stats = kernels.screen_codes(self.weight.detach()) if serves else (None, None)
         self.register_buffer("codes", codes, persistent=False)
         self.register_buffer("stats", stats, persistent=False)

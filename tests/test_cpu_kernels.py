@@ -482,13 +482,17 @@ def screened_head(w):
     return model.output
 
 
-def one_row_logits(head, x):
-    """Each row's fp32 logits as rows_mm_f32 sums them for that row alone, on vdpbf16ps (lm_head_argmax's exact sums)."""
+def one_row_logits(head, x, path=None):
+    """Each row's fp32 logits as rows_mm_f32 sums them for that row alone, on vdpbf16ps (lm_head_argmax's exact sums);
+    then the kernels' path as the test's fixture set it (path), or as built."""
     torch.ops.eaglet.amx_set(False, 1, 1)
     try:
         return torch.stack([torch.ops.eaglet.rows_mm_f32(r[None], head.packed)[0] for r in x.reshape(-1, x.shape[-1])])
     finally:
-        torch.ops.eaglet.amx_set(kernels.AMX, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
+        if path:
+            torch.ops.eaglet.amx_set(path == "amx", 1, 1)
+        else:
+            torch.ops.eaglet.amx_set(kernels.AMX, kernels.AMX_MIN_ROWS, kernels.AMX_ATTEND_ROWS)
 
 
 def near_ties(V=4096, K=576, seed=0):
@@ -513,7 +517,7 @@ def test_lm_head_argmax_is_the_argmax_of_the_exact_logits(path):
     ignored."""
     w, x = near_ties()
     head = screened_head(w)
-    exact = one_row_logits(head, x).view(40, -1)
+    exact = one_row_logits(head, x, path).view(40, -1)
     want = exact.argmax(-1)
     for rows in [*range(1, 18), 40]:
         got = torch.cat([kernels.lm_head_argmax(head, x[i:i + rows]) for i in range(0, 40, rows)])
@@ -523,7 +527,7 @@ def test_lm_head_argmax_is_the_argmax_of_the_exact_logits(path):
     tie[0, 0] = 1.0
     head.weight.data[6:8] = 1e3  # two equal rows, far above the rest
     head.pack()  # the packed rows and the screen follow the weight
-    assert kernels.lm_head_argmax(head, tie).item() == 6 and one_row_logits(head, tie).argmax().item() == 6
+    assert kernels.lm_head_argmax(head, tie).item() == 6 and one_row_logits(head, tie, path).argmax().item() == 6
     head.weight.data.copy_(w)
     head.pack()
     noise = sampling.gumbel((40, w.shape[0]), "cpu")

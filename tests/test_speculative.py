@@ -10,6 +10,7 @@ import torch
 import sampling
 import spectree
 import speculate
+import ops
 import quant
 from cpu import kernels
 from draft import EagleHead, use_draft_vocab
@@ -315,18 +316,18 @@ def test_speculative_sampling_follows_the_target_distribution(small_vocab, chi2_
 def fresh_bonus(monkeypatch):
     """Breaks tree verification: the bonus becomes a new draw from the processed target distribution
     at the deepest accepted node, instead of the draw that missed every child there."""
-    real_draw, real_accept = sampling.draw, spectree.accept
+    real_draw, real_accept = ops.lm_head_draw, spectree.accept
     last = {}
 
-    def draw(logits, temperature, top_k=0, top_p=1.0, noise=None):
-        last["probs"] = sampling.logits_to_probs(logits, temperature, top_k, top_p)
-        return real_draw(logits, temperature, top_k, top_p, noise)
+    def draw(output, h, rule, noise=None):  # every target draw, whichever way the backend makes it
+        last["probs"] = rule.probs(output(h))
+        return real_draw(output, h, rule, noise)
 
     def accept(tokens, parents, depths, draws, depth):
         accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
         return accept_len, path, sampling.sample(last["probs"][path[-1]])
 
-    monkeypatch.setattr(sampling, "draw", draw)
+    monkeypatch.setattr(ops, "lm_head_draw", draw)
     monkeypatch.setattr(spectree, "accept", accept)
 
 
