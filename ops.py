@@ -25,8 +25,14 @@ def topk(x: Tensor, k: int) -> tuple:
     return torch.topk(x, k, dim=-1)  # (values, indices) of each row's k largest, descending: the draft tree's choice
 
 
-def lm_head_draw(output, h: Tensor, sampling, noise=None) -> Tensor:
-    return sampling.draw(output(h), noise)  # the target's draw from its LM head over h: a backend may skip most logits
+def random_bits(shape, device) -> Tensor:
+    return torch.randint(0, 1 << 52, shape, dtype=torch.long, device=device)  # sampling.uniform's k: 52 random bits each
+
+
+def lm_head_draw(output, h: Tensor, sampling, noise=None, rows=None) -> Tensor:
+    """The target's draws from its LM head over h (a backend may skip most logits); noise: Gumbels, a row for each of
+    h's rows, or the rows of a table that rows picks (a tree's nodes draw with their depth's)."""
+    return sampling.draw(output(h), noise if noise is None or rows is None else noise[rows])
 
 
 def choose(compile, target, log=print):

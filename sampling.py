@@ -27,8 +27,9 @@ def uniform(shape, device) -> Tensor:
     """float64 uniforms in (0, 1), for every draw at T > 0: (2k + 1) / 2^53 for k uniform in [0, 2^52), the midpoint of
     one of 2^52 equal cells (exact in float64), so never 0 or 1 (log(0)) and within 2^-53 of a true uniform's CDF
     everywhere. Built from random integers because torch.rand is not float64 compiled: Inductor's rand (C++ and Triton)
-    is a float32 draw at any dtype (k/2^24 near 1), where its randint is 64 random bits (modulo 2^52: unbiased)."""
-    k = torch.randint(0, 1 << 52, shape, dtype=torch.long, device=device)
+    is a float32 draw at any dtype (k/2^24 near 1), where its randint is 64 random bits (modulo 2^52: unbiased). k comes
+    from ops.random_bits (on a CPU with the kernels, large tables from kernels.cpp's counter-based generator)."""
+    k = ops.random_bits(shape, device)
     return k.double().mul_(2.0 ** -52).add_(2.0 ** -53)  # each step exact: k < 2^53, a power of two, then the odd bit
 
 

@@ -253,7 +253,7 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     lap and lap("tree")
     out, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
-    draws = ops.lm_head_draw(target.output, out, sampling, None if noise is None else noise[depths])
+    draws = ops.lm_head_draw(target.output, out, sampling, noise, depths)
     accept_tokens = tokens if live is None else torch.where(live, tokens, -1)  # a dead slot matches no draw
     accept_len, path, bonus = spectree.accept(accept_tokens, parents, depths, draws, spec.depth)
     out = commit(target, st, spec, tokens, accept_len, path, bonus, h)

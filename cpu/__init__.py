@@ -1,5 +1,5 @@
 # The CPU fast path, entered through ops.py when this package is imported (eaglet.py does, as the loading code):
-# kernels.cpp's bf16 kernels for attention over few queries, the draws and the tree's top-k, the linears prepacked for
+# kernels.cpp's bf16 kernels for attention over few queries, the draws, their random bits and the tree's top-k, the linears prepacked for
 # oneDNN or the rows kernel (linears.py), and Inductor's CPU settings, --compile auto's measurement and compiled steps
 # saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
 import torch
@@ -9,7 +9,7 @@ from cpu import inductor, kernels, linears, threads
 from draft import DraftHead
 from sampling import Sampling, uniform
 
-PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing")}  # ops.py's own, off a CPU
+PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing", "random_bits")}  # ops.py's own, off a CPU
 
 
 def prepare(compile, target, *drafters):
@@ -46,21 +46,29 @@ def pacing(device: torch.device):
     return threads.pacing() if device.type == "cpu" else PLAIN["pacing"](device)
 
 
-def lm_head_draw(output, h: torch.Tensor, rule: Sampling, noise=None) -> torch.Tensor:
+def lm_head_draw(output, h: torch.Tensor, rule: Sampling, noise=None, rows=None) -> torch.Tensor:
     """ops.lm_head_draw on a CPU: a draw that is an argmax (greedy, or Gumbel noise without top-k or top-p) from the LM
     head's int8 screen where it has one, for up to kernels.SCREEN_MAX_ROWS rows (kernels.lm_head_argmax: the exact
     logits' token, few of them computed); a plain sample by eaglet::sample; else sampling's own draw."""
     t, plain = rule.temperature, not rule.top_k and rule.top_p >= 1.0
     few = h.numel() <= kernels.SCREEN_MAX_ROWS * h.shape[-1]
     if linears.screens(output) and few and (not t or (noise is not None and plain)):
-        return kernels.lm_head_argmax(output, h, 1.0 / (t or 1.0), noise)
+        return kernels.lm_head_argmax(output, h, 1.0 / (t or 1.0), noise, rows if noise is not None else None)
+    noise = noise if noise is None or rows is None else noise[rows]
     logits = output(h)
     if t and plain and noise is None and kernels.serves(logits):
         return kernels.sample(logits, t, uniform(logits.shape[:-1], logits.device))
     return rule.draw(logits, noise)
 
 
+def random_bits(shape, device) -> torch.Tensor:
+    """ops.random_bits on a CPU: eaglet::random_bits for tables of kernels.RANDOM_BITS_MIN elements or more."""
+    if kernels.BUILT and torch.device(device).type == "cpu" and torch.Size(shape).numel() >= kernels.RANDOM_BITS_MIN:
+        return kernels.random_bits(shape, device)
+    return PLAIN["random_bits"](shape, device)
+
+
 ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, topk=kernels.topk,
-             lm_head_draw=lm_head_draw, choose=inductor.choose, prepare=prepare,
+             lm_head_draw=lm_head_draw, random_bits=random_bits, choose=inductor.choose, prepare=prepare,
              inductor_settings=inductor_settings, step_compiler=step_compiler, kernel_name=linears.packed_kernel,
              pacing=pacing, watch_load=threads.watch_load)

@@ -38,8 +38,11 @@ ROOT = Path(__file__).resolve().parents[1]
 # cpp_wrapper calls the kernels from C++, no Python between them (the CPU's answer to CUDA graphs). The weights come
 # prepacked (cpu/linears.py), not frozen: one copy for every graph, where each frozen graph holds its own. The GEMM
 # templates (max_autotune) win on some CPUs and lose on others: see choose. The wrapper and the kernels build apart, in
-# parallel: a cold step compiles in about two thirds of the time and runs as fast (docs/cpu.md).
-CPU_INDUCTOR = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": False, "max_autotune": False}
+# parallel: a cold step compiles in about two thirds of the time and runs as fast (docs/cpu.md). Without the wrapper's
+# size, stride and alignment checks of the buffers between kernels (hundreds a cycle, each through the C shim, on shapes
+# the trace fixed); the checks on data-dependent scalars and the kernels' bounds checks on gathered indices stay.
+CPU_INDUCTOR = {"cpp_wrapper": True, "cpp_wrapper_build_separate": True, "freezing": False, "max_autotune": False,
+                "size_asserts": False, "alignment_asserts": False}
 # --compile max: Inductor's C++ GEMM templates over frozen weights, for CPUs whose oneDNN GEMV is slow. The weights
 # become graph constants, which Inductor's FX graph cache refuses as it comes (cache_frozen_graphs makes it store them).
 CPU_INDUCTOR_MAX = CPU_INDUCTOR | {"freezing": True, "max_autotune": True, "max_autotune_gemm_backends": "CPP,ATEN"}

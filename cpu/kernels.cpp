@@ -422,10 +422,12 @@ static inline void screen16_f64(const int32_t* a1, const int32_t* a2, int64_t i,
 }
 
 // x bf16 [..., K]; codes int32 [V/16, K/4, 16] (kernels.screen_codes); w: the same rows as kernels.pack's bf16; stats
-// fp32 [4, V]: sw, C, kx, kq (screen_codes); noise: fp64 [..., V] Gumbels or empty (greedy); inv_t 1/T.
-// -> int64 [...]: argmax_i (exact_i * inv_t + noise_i), exact_i what rows_mm_f32 computes for the row alone.
+// fp32 [4, V]: sw, C, kx, kq (screen_codes); noise: fp64 [..., V] Gumbels, a row for each input row, or empty (greedy);
+// noise_rows: int64 [...], the noise row each input row draws with (a tree's rows share their depth's), or empty (the
+// row's own); inv_t 1/T. -> int64 [...]: argmax_i (exact_i * inv_t + noise_i), exact_i what rows_mm_f32 computes for
+// the row alone.
 at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, const at::Tensor& w, const at::Tensor& stats,
-                          const at::Tensor& noise_, double inv_t) {
+                          const at::Tensor& noise_, const at::Tensor& noise_rows_, double inv_t) {
   auto x = input.contiguous();
   int64_t K = x.size(-1), M = x.numel() / K, blocks = codes.size(0), V = blocks * 16, pairs = K / 2;
   TORCH_CHECK(x.scalar_type() == at::kBFloat16 && codes.scalar_type() == at::kInt && codes.dim() == 3 && codes.size(1) * 4 == K
@@ -433,8 +435,17 @@ at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, cons
               && stats.scalar_type() == at::kFloat && stats.numel() == 4 * V && stats.is_contiguous() && K % 4 == 0,
               "eaglet::lm_head_argmax: bf16 rows, screen_codes' codes and stats, kernels.pack's weight");
   auto noise = noise_.numel() ? noise_.contiguous() : noise_;
-  TORCH_CHECK(!noise.numel() || (noise.scalar_type() == at::kDouble && noise.numel() == M * V),
-              "eaglet::lm_head_argmax: fp64 noise, a row of V for each input row");
+  auto noise_rows = noise_rows_.contiguous();
+  int64_t D = noise.numel() / V;
+  TORCH_CHECK(!noise.numel() || (noise.scalar_type() == at::kDouble && noise.numel() == D * V
+                                 && (noise_rows.numel() ? noise_rows.scalar_type() == at::kLong && noise_rows.numel() == M : D == M)),
+              "eaglet::lm_head_argmax: fp64 noise, rows of V: one for each input row, or those noise_rows picks");
+  std::vector<const double*> g_row(M, nullptr);  // each input row's noise, or none (greedy)
+  for (int64_t m = 0; m < M && noise.numel(); m++) {
+    int64_t r = noise_rows.numel() ? noise_rows.data_ptr<int64_t>()[m] : m;
+    TORCH_CHECK(0 <= r && r < D, "eaglet::lm_head_argmax: a noise row out of range");
+    g_row[m] = noise.data_ptr<double>() + r * V;
+  }
   auto sizes = x.sizes().vec();
   sizes.pop_back();
   auto y = at::empty(sizes, x.options().dtype(at::kLong));
@@ -442,7 +453,7 @@ at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, cons
   const auto xb = (const at::BFloat16*)x.data_ptr();
   const int32_t* cw = codes.data_ptr<int32_t>();
   const float* st = stats.data_ptr<float>();
-  const double* g = noise.numel() ? noise.data_ptr<double>() : nullptr;
+  const bool g = noise.numel() > 0;
   const bool f32 = !g && 127 * 127 * K < (1 << 24);
   Screen s = screen_rows(xb, M, K);
   std::vector<double> floor(M, -INFINITY);  // each row's best lower bound
@@ -481,7 +492,7 @@ at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, cons
             if (f32)
               screen16_f32(s1, s2, i, st, V, s, m + r, &lanes[m + r], mine[m + r]);
             else
-              screen16_f64(s1, s2, i, st, V, s, m + r, g ? g + (m + r) * V : nullptr, inv_t, &lanes2[2 * (m + r)], mine[m + r]);
+              screen16_f64(s1, s2, i, st, V, s, m + r, g_row[m + r], inv_t, &lanes2[2 * (m + r)], mine[m + r]);
           }
       }
     }
@@ -508,7 +519,7 @@ at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, cons
         if (hi < floor[m]) continue;
         if (i / 16 != held)  // the block's 16 logits as rows_mm_f32 sums them for one row (tile<1, NB>, any NB)
           held = i / 16, tile<1, 1, int32_t, float>(wp + held * pairs * 16, pairs * 16, xm, pairs, pairs, exact, 16, nullptr);
-        double score = g ? (double)exact[i % 16] * inv_t + g[m * V + i] : (double)exact[i % 16];
+        double score = g ? (double)exact[i % 16] * inv_t + g_row[m][i] : (double)exact[i % 16];
         if (score > top || arg < 0) top = score, arg = i;
       }
       yp[m] = arg;
@@ -626,6 +637,37 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& u, double inv_t) {
       for (int64_t i = 16 * (b < NB ? b : with_mass), end = i + 16; i < end; i++)
         if (e[i] > 0 && (arg = i, (acc += e[i]) > target && b < NB)) break;
       yp[m] = arg;
+    }
+  });
+  return y;
+}
+
+// 52 random bits an element (int64 [*seed, *shape], sampling.uniform's k), a table for each seed: element i of seed s's
+// table is SplitMix64's output for the state mix(s) + (i + 1) * golden, its top 52 bits. A counter-based generator:
+// every element computed apart from the others, 8 a vector, where Inductor's randint runs Philox once per element (a
+// sampled cycle's rows of Gumbels over the vocabulary were its costliest loop outside the kernels). The seed,
+// 62 bits a table, comes from torch's generator (kernels.random_bits), so torch.manual_seed still fixes every draw.
+static inline uint64_t splitmix64(uint64_t z) {
+  z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
+  z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
+  return z ^ (z >> 31);
+}
+at::Tensor random_bits(const at::Tensor& seed, at::IntArrayRef shape) {
+  TORCH_CHECK(seed.scalar_type() == at::kLong, "eaglet::random_bits: int64 seeds");
+  auto seeds = seed.contiguous();
+  auto sizes = seeds.sizes().vec();
+  sizes.insert(sizes.end(), shape.begin(), shape.end());
+  auto y = at::empty(sizes, seeds.options());
+  int64_t S = seeds.numel(), n = S ? y.numel() / S : 0;
+  const int64_t* sp = seeds.data_ptr<int64_t>();
+  uint64_t* yp = (uint64_t*)y.data_ptr<int64_t>();
+  constexpr uint64_t golden = 0x9E3779B97F4A7C15ull;
+  at::parallel_for(0, S * n, 4096, [&](int64_t i0, int64_t i1) {
+    for (int64_t i = i0; i < i1;) {  // table t's elements [j0, j1)
+      int64_t t = i / n, j0 = i - t * n, j1 = std::min(i1 - t * n, n);
+      uint64_t base = splitmix64((uint64_t)sp[t]) + golden, *out = yp + t * n;
+      for (int64_t j = j0; j < j1; j++) out[j] = splitmix64(base + (uint64_t)j * golden) >> 12;
+      i += j1 - j0;
     }
   });
   return y;
@@ -969,9 +1011,10 @@ TORCH_LIBRARY(eaglet, m) {
   m.def("rows_mm_int8(Tensor x, Tensor w, Tensor scales) -> Tensor");
   m.def("amx_set(bool on, int min_rows, int attend_rows) -> bool", &amx_set);
   m.def("argmax(Tensor logits) -> Tensor");
-  m.def("lm_head_argmax(Tensor x, Tensor codes, Tensor w, Tensor stats, Tensor noise, float inv_t) -> Tensor");
+  m.def("lm_head_argmax(Tensor x, Tensor codes, Tensor w, Tensor stats, Tensor noise, Tensor noise_rows, float inv_t) -> Tensor");
   m.def("topk(Tensor x, int k) -> (Tensor, Tensor)");
   m.def("sample(Tensor logits, Tensor u, float inv_t) -> Tensor");
+  m.def("random_bits(Tensor seed, int[] shape) -> Tensor");
   m.def("attend(Tensor q, Tensor k, Tensor v, Tensor mask, Tensor k_tree, Tensor v_tree, float scale) -> Tensor");
 }
 TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
@@ -982,5 +1025,6 @@ TORCH_LIBRARY_IMPL(eaglet, CPU, m) {
   m.impl("lm_head_argmax", &lm_head_argmax);
   m.impl("topk", &topk);
   m.impl("sample", &sample);
+  m.impl("random_bits", &random_bits);
   m.impl("attend", &attend);
 }

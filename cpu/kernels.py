@@ -1,6 +1,6 @@
 # The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them) and of
 # kernels_fp32.cpp (fp32 passes of few rows on AVX2): built on first use with torch.utils.cpp_extension, registered as
-# torch ops (eaglet::rows_mm, attend, argmax, topk, sample, lm_head_argmax; eaglet::rows_mm_fp32, rows_mm_codes) with
+# torch ops (eaglet::rows_mm, attend, argmax, topk, sample, lm_head_argmax, random_bits; eaglet::rows_mm_fp32, rows_mm_codes) with
 # shape functions for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
 # attend, argmax, topk and the target's draws (lm_head_argmax, sample) to ops.py; cpu/linears.py runs the linears on
 # rows_mm and keeps the LM head's screen.
@@ -69,7 +69,7 @@ def build() -> bool:
         try:
             with ticking("building the CPU kernels (once per machine)", functools.partial(print, file=sys.stderr)):
                 load("eaglet_rows_mm" + "_amx" * bool(amx), sources=[str(SOURCE)], is_python_module=False,
-                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", *amx],
+                     extra_cflags=["-O3", "-fopenmp", "-mavx512f", "-mavx512bw", "-mavx512vl", "-mavx512bf16", "-mavx512vnni", "-mavx512dq", *amx],
                      extra_ldflags=["-fopenmp"])
             break
         except Exception as e:  # no compiler, no ninja: a slower path, not a failure
@@ -91,6 +91,8 @@ def build() -> bool:
     torch.library.register_vmap("eaglet::topk")(topk_batch_rule)
     torch.library.register_fake("eaglet::sample")(lambda x, *_: x.new_empty(x.shape[:-1], dtype=torch.long))
     torch.library.register_vmap("eaglet::sample")(sample_batch_rule)
+    torch.library.register_fake("eaglet::random_bits")(lambda seed, shape: seed.new_empty(*seed.shape, *shape))
+    torch.library.register_vmap("eaglet::random_bits")(random_bits_batch_rule)
     torch.library.register_fake("eaglet::attend")(attend_out)
     torch.library.register_vmap("eaglet::attend")(attend_batch_rule)
     global BUILT
@@ -141,12 +143,24 @@ def sample_batch_rule(info, in_dims, logits, u, inv_t):
     return torch.ops.eaglet.sample(*(to_front(x, d, info.batch_size) for x, d in zip((logits, u), in_dims)), inv_t), 0
 
 
-def lm_head_batch_rule(info, in_dims, x, codes, w, stats, noise, inv_t):
-    """Under batch.py's vmap: the rows' (and their noise's) batch dim to the front, one call."""
+def lm_head_batch_rule(info, in_dims, x, codes, w, stats, noise, noise_rows, inv_t):
+    """Under batch.py's vmap: the rows' (and their noise's) batch dim to the front, one call; a batch's tables of noise
+    rows stacked into one, each row's index moved to its own table's rows."""
     if any(d is not None for d in in_dims[1:4]):
         raise NotImplementedError("eaglet::lm_head_argmax batched over its weights")
-    noise = to_front(noise, in_dims[4], info.batch_size) if noise.numel() else noise
-    return torch.ops.eaglet.lm_head_argmax(to_front(x, in_dims[0], info.batch_size), codes, w, stats, noise, inv_t), 0
+    n = info.batch_size
+    if noise.numel():
+        noise = to_front(noise, in_dims[4], n)
+    if noise.numel() and noise_rows.numel():
+        rows = to_front(noise_rows, in_dims[5], n)
+        rows = rows + noise.shape[1] * torch.arange(n, device=rows.device).view(n, *[1] * (rows.dim() - 1))
+        noise_rows, noise = rows, noise.reshape(-1, noise.shape[-1])
+    return torch.ops.eaglet.lm_head_argmax(to_front(x, in_dims[0], n), codes, w, stats, noise, noise_rows, inv_t), 0
+
+
+def random_bits_batch_rule(info, in_dims, seed, shape):
+    """Under batch.py's vmap (randomness "different": a seed a row): one call, a table a row."""
+    return torch.ops.eaglet.random_bits(to_front(seed, in_dims[0], info.batch_size), shape), 0
 
 
 def attend_batch_rule(info, in_dims, *args):
@@ -205,6 +219,16 @@ def sample(logits: Tensor, temperature: float, u: Tensor) -> Tensor:
     return torch.ops.eaglet.sample(logits, u, 1.0 / temperature)
 
 
+RANDOM_BITS_MIN = 4096  # from this many elements (a sampled cycle's Gumbels): fewer cost Inductor's randint no more
+
+
+def random_bits(shape, device) -> Tensor:
+    """torch.randint(0, 2^52, shape) in distribution, by eaglet::random_bits (callers ask BUILT): SplitMix64 over a
+    counter from one 62-bit seed of torch's generator."""
+    seed = torch.randint(0, 1 << 62, (), dtype=torch.long, device=device)
+    return torch.ops.eaglet.random_bits(seed, list(shape))
+
+
 def pack(weight: Tensor) -> Tensor:
     """bf16 [out, in] -> int32 [out/16, in/2, 16]: element (b, p, i) holds weight[16b + i, 2p : 2p + 2]."""
     out_features, in_features = weight.shape
@@ -250,11 +274,13 @@ def round_up_fp32(x: Tensor) -> Tensor:
     return torch.where(f.double() < x, torch.nextafter(f, torch.full_like(f, float("inf"))), f).double()
 
 
-def lm_head_argmax(linear: nn.Module, h: Tensor, inv_t: float = 1.0, noise=None) -> Tensor:
-    """argmax(linear(h) * inv_t + noise) over the last dim (noise: fp64 Gumbels like it, or None at T=0) by
-    eaglet::lm_head_argmax from linear's screen (cpu/linears.py), the logits those of one row through rows_mm_f32."""
+def lm_head_argmax(linear: nn.Module, h: Tensor, inv_t: float = 1.0, noise=None, rows=None) -> Tensor:
+    """argmax(linear(h) * inv_t + noise) over the last dim (noise: fp64 Gumbels like it, or rows of them that rows
+    [...] picks for each of h's rows, or None at T=0) by eaglet::lm_head_argmax from linear's screen
+    (cpu/linears.py), the logits those of one row through rows_mm_f32."""
     noise = h.new_empty(0, dtype=torch.float64) if noise is None else noise
-    return torch.ops.eaglet.lm_head_argmax(h, linear.codes, linear.packed, linear.stats, noise, inv_t)
+    rows = h.new_empty(0, dtype=torch.long) if rows is None else rows
+    return torch.ops.eaglet.lm_head_argmax(h, linear.codes, linear.packed, linear.stats, noise, rows, inv_t)
 
 
 def pack_fp32(weight: Tensor) -> Tensor:

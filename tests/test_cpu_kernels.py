@@ -381,6 +381,49 @@ def test_sample_is_the_inverse_cdf_draw():
     assert rows.shape == (4, 16) and ((rows >= 0) & (rows < 100)).all()
 
 
+def serial_pvalue(k: torch.Tensor, chi2_pvalue) -> float:
+    """Consecutive 52-bit values' top 4 bits as the 256 cells of a grid: uniform when the values are independent."""
+    top = (k.flatten() >> 48)[: k.numel() // 2 * 2].view(-1, 2)
+    return chi2_pvalue(torch.bincount(top[:, 0] * 16 + top[:, 1], minlength=256), torch.full((256,), 1 / 256))
+
+
+def weyl_bits(seed: int, n: int) -> torch.Tensor:
+    """A deliberately wrong eaglet::random_bits: the counter's state without SplitMix64's mixing (a Weyl sequence),
+    even in every single value's distribution, a lattice in consecutive pairs."""
+    golden = 0x9E3779B97F4A7C15 - (1 << 64)  # as int64: the multiplication wraps as the kernel's uint64 one does
+    return ((seed + torch.arange(1, n + 1) * golden) >> 12) & ((1 << 52) - 1)
+
+
+def test_random_bits_are_independent_uniform_and_a_table_a_seed(chi2_pvalue):
+    """eaglet::random_bits (sampling.uniform's k for tables of RANDOM_BITS_MIN elements or more): 52 bits in
+    [0, 2^52), their top, middle and bottom bytes uniform and consecutive values independent, which the unmixed Weyl
+    sequence fails; the same seed, the same table; under vmap one table a row's seed; compiled, in the graph; and
+    through ops.random_bits from the threshold on."""
+    import ops
+
+    assert kernels.build()
+    k = torch.ops.eaglet.random_bits(torch.tensor(12345), [400_000])
+    assert k.dtype == torch.long and k.shape == (400_000,) and 0 <= int(k.min()) and int(k.max()) < 1 << 52
+    for bits in (k >> 44, k & 255, (k >> 20) & 255):
+        assert chi2_pvalue(torch.bincount(bits, minlength=256), torch.full((256,), 1 / 256)) > 1e-4
+    assert serial_pvalue(k, chi2_pvalue) > 1e-4
+    assert serial_pvalue(weyl_bits(12345, 400_000), chi2_pvalue) < 1e-12
+    seeds = torch.tensor([7, 8, 1 << 61])
+    tables = torch.ops.eaglet.random_bits(seeds, [2, 3000])
+    assert tables.shape == (3, 2, 3000) and not torch.equal(tables[0], tables[1])
+    assert all(torch.equal(tables[i], torch.ops.eaglet.random_bits(seeds[i], [2, 3000])) for i in range(3))
+    rows = torch.vmap(lambda s: torch.ops.eaglet.random_bits(s, [3000]))(seeds)
+    assert torch.equal(rows, tables[:, 0])
+    torch.manual_seed(0)
+    first = ops.random_bits((kernels.RANDOM_BITS_MIN,), "cpu")
+    torch.manual_seed(0)
+    assert torch.equal(first, ops.random_bits((kernels.RANDOM_BITS_MIN,), "cpu"))  # torch.manual_seed fixes every draw
+    torch._dynamo.reset()
+    with torch._inductor.config.patch(fx_graph_cache=False):
+        u, (code, *_) = run_and_get_code(torch.compile(lambda: sampling.uniform((3, 49152), "cpu"), fullgraph=True))
+    assert "eaglet.random_bits" in code and u.dtype == torch.float64 and bool(((u > 0) & (u < 1)).all())
+
+
 def test_attend_few_takes_the_kernel_when_compiled():
     """A compiled bf16 pass of up to FUSED_QUERIES queries runs eaglet::attend (one call a layer, no matmul) and agrees
     with the eager attend_few; under vmap (batch.py) it is one call too."""
@@ -534,6 +577,8 @@ def test_lm_head_argmax_is_the_argmax_of_the_exact_logits(path):
     drawn = (exact.double() / 0.7 + noise).argmax(-1)
     assert torch.equal(kernels.lm_head_argmax(head, x, 1 / 0.7, noise), drawn)
     assert not torch.equal(drawn, want)  # the noise moved draws: a kernel ignoring it fails above
+    depths = torch.arange(40) % 3  # a tree's rows drawing with their depth's row of a table
+    assert torch.equal(kernels.lm_head_argmax(head, x, 1 / 0.7, noise[:3], depths), (exact.double() / 0.7 + noise[depths]).argmax(-1))
     stats = head.stats.clone()
     head.stats[2:] = 0  # no error bound: the estimate's best, computed exactly, misses the true best
     assert not torch.equal(kernels.lm_head_argmax(head, x), want)
@@ -554,6 +599,10 @@ def test_lm_head_argmax_in_compiled_and_vmapped_graphs():
     drawn = (one_row_logits(head, x).double() + noise).argmax(-1)
     got = torch.vmap(lambda x, g: kernels.lm_head_argmax(head, x, 1.0, g))(x.view(4, 10, -1), noise.view(4, 10, -1))
     assert torch.equal(got, drawn.view(4, 10))
+    tables, depths = noise[:12].view(4, 3, -1), torch.arange(40).view(4, 10) % 3  # a table of 3 rows a sequence
+    got = torch.vmap(lambda x, g, d: kernels.lm_head_argmax(head, x, 1.0, g, d))(x.view(4, 10, -1), tables, depths)
+    want_rows = (one_row_logits(head, x).double().view(4, 10, -1) + torch.stack([t[d] for t, d in zip(tables, depths)])).argmax(-1)
+    assert torch.equal(got, want_rows)
 
 
 def test_draws_read_the_screen_and_decode_as_the_logits_do(monkeypatch):
@@ -574,7 +623,15 @@ def test_draws_read_the_screen_and_decode_as_the_logits_do(monkeypatch):
     assert torch.equal(ops.lm_head_draw(target.output, h, sampling.Sampling(0.8), noise),
                        (one_row_logits(target.output, h).double() / 0.8 + noise).argmax(-1))
     assert len(calls) == 25
+    depths = torch.tensor([1, 0, 1])  # a table's rows, one picked for each of h's rows
+    for screen in (True, False):
+        monkeypatch.setattr(linears, "screens", lambda output, screen=screen: screen)
+        assert torch.equal(ops.lm_head_draw(target.output, h, sampling.Sampling(0.8), noise[:2], depths),
+                           (one_row_logits(target.output, h).double() / 0.8 + noise[depths]).argmax(-1))
+    monkeypatch.undo()
+    monkeypatch.setattr(kernels, "lm_head_argmax", lambda *a: calls.append(a) or screened(*a))
+    assert len(calls) == 26
     ops.lm_head_draw(target.output, h, sampling.Sampling(0.8, top_p=0.9), noise)  # top-p needs every logit
-    assert len(calls) == 25
+    assert len(calls) == 26
     monkeypatch.setattr(linears, "screens", lambda output: False)
-    assert gen.generate([1, 2, 3], max_new_tokens=24).token_ids == got and len(calls) == 25
+    assert gen.generate([1, 2, 3], max_new_tokens=24).token_ids == got and len(calls) == 26

@@ -319,9 +319,9 @@ def fresh_bonus(monkeypatch):
     real_draw, real_accept = ops.lm_head_draw, spectree.accept
     last = {}
 
-    def draw(output, h, rule, noise=None):  # every target draw, whichever way the backend makes it
+    def draw(output, h, rule, noise=None, rows=None):  # every target draw, whichever way the backend makes it
         last["probs"] = rule.probs(output(h))
-        return real_draw(output, h, rule, noise)
+        return real_draw(output, h, rule, noise, rows)
 
     def accept(tokens, parents, depths, draws, depth):
         accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
