@@ -644,9 +644,9 @@ at::Tensor sample(const at::Tensor& logits, const at::Tensor& u, double inv_t) {
 
 // 52 random bits an element (int64 [*seed, *shape], sampling.uniform's k), a table for each seed: element i of seed s's
 // table is SplitMix64's output for the state mix(s) + (i + 1) * golden, its top 52 bits. A counter-based generator:
-// every element computed apart from the others, 8 a vector, where Inductor's randint runs Philox once per element (a
-// sampled cycle's rows of Gumbels over the vocabulary were its costliest loop outside the kernels). The seed,
-// 62 bits a table, comes from torch's generator (kernels.random_bits), so torch.manual_seed still fixes every draw.
+// every element computed apart from the others, 8 a vector, where Inductor's randint runs Philox once per element,
+// over a sampled cycle's Gumbels: a row of the vocabulary a depth. The seed, 62 bits a table, comes from torch's
+// generator (kernels.random_bits), so torch.manual_seed still fixes every draw.
 static inline uint64_t splitmix64(uint64_t z) {
   z = (z ^ (z >> 30)) * 0xBF58476D1CE4E5B9ull;
   z = (z ^ (z >> 27)) * 0x94D049BB133111EBull;
