@@ -196,8 +196,8 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
 
 def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, depths: Tensor, chain: bool = False):
     """One target forward over the tree at positions L + depth, each node seeing the committed context and its
-    ancestors -> (post-norm states, what the LM head reads; draft features). A tree's K/V wait in the layers' k_tree for commit to keep the accepted rows (one cache write a
-    cycle: KVCache.keep); a chain's rows go to slots L.. at once, where commit leaves them."""
+    ancestors -> (post-norm states for the LM head, draft features). A tree's K/V wait in k_tree for commit to keep the
+    accepted rows (one cache write a cycle: KVCache.keep); a chain's rows go to slots L.. at once, where commit leaves them."""
     n = tokens.shape[0]
     if not chain:
         committed = torch.arange(live_width(st.L - 1, target.max_seq_length), device=tokens.device) < st.L

@@ -1,7 +1,7 @@
 # The CPU fast path, entered through ops.py when this package is imported (eaglet.py does, as the loading code):
-# kernels.cpp's bf16 kernels for attention over few queries, the draws, their random bits and the tree's top-k, the linears prepacked for
-# oneDNN or the rows kernel (linears.py), and Inductor's CPU settings, --compile auto's measurement and compiled steps
-# saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
+# kernels.cpp's bf16 kernels for attention over few queries, the draws, their random bits and the tree's top-k, the
+# linears prepacked for oneDNN or the rows kernel (linears.py), and Inductor's CPU settings, --compile auto's
+# measurement and compiled steps saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
 import torch
 
 import ops
@@ -9,7 +9,8 @@ from cpu import inductor, kernels, linears, threads
 from draft import DraftHead
 from sampling import Sampling, uniform
 
-PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing", "random_bits")}  # ops.py's own, off a CPU
+PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing", "random_bits",
+                                             "lm_head_draw")}  # ops.py's own, off a CPU and as the fallbacks
 
 
 def prepare(compile, target, *drafters):
@@ -54,11 +55,10 @@ def lm_head_draw(output, h: torch.Tensor, rule: Sampling, noise=None, rows=None)
     few = h.numel() <= kernels.SCREEN_MAX_ROWS * h.shape[-1]
     if linears.screens(output) and few and (not t or (noise is not None and plain)):
         return kernels.lm_head_argmax(output, h, 1.0 / (t or 1.0), noise, rows if noise is not None else None)
-    noise = noise if noise is None or rows is None else noise[rows]
+    if not (t and plain and noise is None):
+        return PLAIN["lm_head_draw"](output, h, rule, noise, rows)
     logits = output(h)
-    if t and plain and noise is None and kernels.serves(logits):
-        return kernels.sample(logits, t, uniform(logits.shape[:-1], logits.device))
-    return rule.draw(logits, noise)
+    return kernels.sample(logits, t, uniform(logits.shape[:-1], logits.device)) if kernels.serves(logits) else rule.draw(logits)
 
 
 def random_bits(shape, device) -> torch.Tensor:

@@ -1,9 +1,9 @@
 # The CPU kernels of kernels.cpp (bf16 passes of few rows on AVX512-BF16, AMX tiles where the CPU has them) and of
 # kernels_fp32.cpp (fp32 passes of few rows on AVX2): built on first use with torch.utils.cpp_extension, registered as
-# torch ops (eaglet::rows_mm, attend, argmax, topk, sample, lm_head_argmax, random_bits; eaglet::rows_mm_fp32, rows_mm_codes) with
-# shape functions for tracing and vmap rules for batch.py, and the weight layouts they read. cpu/__init__.py hands
-# attend, argmax, topk, the target's draws (lm_head_argmax, sample) and random_bits to ops.py; cpu/linears.py runs the linears on
-# rows_mm and keeps the LM head's screen.
+# torch ops (eaglet::rows_mm, attend, argmax, topk, sample, lm_head_argmax, random_bits; eaglet::rows_mm_fp32,
+# rows_mm_codes) with shape functions for tracing and vmap rules for batch.py, and the weight layouts they read.
+# cpu/__init__.py hands attend, argmax, topk, the target's draws (lm_head_argmax, sample) and random_bits to ops.py;
+# cpu/linears.py runs the linears on rows_mm and keeps the LM head's screen.
 import functools
 import os
 import platform
