@@ -1,7 +1,8 @@
 # The CPU fast path, entered through ops.py when this package is imported (eaglet.py does, as the loading code):
 # kernels.cpp's bf16 kernels for attention over few queries, the draws, their random bits and the tree's top-k, the
 # linears prepacked for oneDNN or the rows kernel (linears.py), and Inductor's CPU settings, --compile auto's
-# measurement and compiled steps saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour. Why each piece: docs/cpu.md.
+# measurement and compiled steps saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour.
+# Why each piece: docs/cpu.md.
 import torch
 
 import ops
