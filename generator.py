@@ -18,7 +18,7 @@ import tp
 from checkpoint import check_prompts, check_sampling
 from compiling import compiled, faster
 from draft import DraftHead, use_draft_vocab
-from model import Transformer, causal_mask, find_multiple
+from model import Transformer, causal_mask, find_multiple, layer_region
 from sampling import Sampling
 from speculate import CHAINS, SpecState, TreeSpec, draft_context, lookup_cycle, lookup_step, sps_cycle, tree_cycle
 from tokenizer import encode_prompt
@@ -35,12 +35,12 @@ def prefill(model: Transformer, prompt: Tensor, start: Tensor, layered: bool = F
     """prompt [1, T] at positions start.. -> (post-norm hidden states [T, dim], draft features [T, *]); fills KV
     slots [start, start + T), attending to the slots before start (a conversation's earlier turns)."""
     pos = start + torch.arange(prompt.shape[1], device=prompt.device)
-    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length), layered)
+    h, feat = model.hidden(prompt, pos, pos, causal_mask(pos, model.max_seq_length), layer_region if layered else None)
     return h[0], feat[0]
 
 
 def layered_prefill(model: Transformer, prompt: Tensor, start: Tensor) -> tuple:
-    """prefill compiled a layer's graph at a time (model.hidden's layered): a CPU's packaged prefill."""
+    """prefill compiled a layer's graph at a time (model.hidden's run_layer): a CPU's packaged prefill."""
     return prefill(model, prompt, start, layered=True)
 
 

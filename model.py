@@ -261,15 +261,15 @@ class Transformer(nn.Module):
         for layer in self.layers:
             layer.attention.kv_cache.keep(rows, dst)
 
-    def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, layered: bool = False) -> tuple:
+    def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, run_layer=None) -> tuple:
         """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads). Draft features
         are the post-norm states themselves (EAGLE-1/2), or with self.taps set (EAGLE-3) the hidden states entering those
         layers, concatenated [B, T, len(taps) * dim]: taken from the forward that runs anyway, never from an extra pass.
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots; mask [T, S] or [B, T, S]
         bool over the first S cache slots (True = may attend; live_width). cache_pos None (a tree verify, setup_tree):
         the cache is read, not written; the mask covers its first S - T slots and then these T tokens, whose K/V wait
-        for keep_kv. layered: compiled, the layers call one graph of a layer (a nested compile region) instead of
-        being traced one after the other: a fraction of the compile time, for a pass that runs once an answer."""
+        for keep_kv. run_layer(layer, x, rope, cache_pos, mask), if given, runs each layer: layer_region compiles one
+        graph of a layer (a nested compile region) instead of every layer traced in turn, for a pass run once an answer."""
         x = self.tok_embeddings(idx)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         mask = mask.unsqueeze(-3) if mask.dim() == 3 else mask
@@ -277,7 +277,7 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.layers):
             if i in self.taps:
                 entering[i] = x
-            x = layer_region(layer, x, rope, cache_pos, mask) if layered else layer(x, rope, cache_pos, mask)
+            x = run_layer(layer, x, rope, cache_pos, mask) if run_layer else layer(x, rope, cache_pos, mask)
         h = self.norm(x)
         return h, (torch.cat([entering[i] for i in self.taps], dim=-1) if self.taps else h)
 

@@ -295,7 +295,7 @@ def precompiled(name: str, fn, args: tuple, dynamic=False, log=print, layered: b
     now and saved. -> (callable, seconds spent compiling: 0 when loaded). dynamic: False, every size static; True,
     every size symbolic; None, the sizes marked dynamic (torch._dynamo.mark_dynamic). A step with symbolic sizes checks
     its size guards and runs eagerly on sizes outside them. layered: fn calls nested compile regions (model.hidden's
-    layered), which only Inductor's Python wrapper calls: for a step that runs once an answer (the prefill), where
+    run_layer), which only Inductor's Python wrapper calls: for a step that runs once an answer (the prefill), where
     Python between its kernels costs little."""
     folder = cachedir.root() / PACKAGES
     key = package_key(name, args, dynamic, layered)

@@ -172,3 +172,24 @@ def test_a_packed_corpus_unpacks_to_a_data_set_that_featurises_the_same_and_goes
     assert corpus.main(["pack", str(tmp_path / "nowhere"), str(tmp_path / "x.jsonl.xz")]) == 2
     errors = capsys.readouterr().err.strip().splitlines()
     assert len(errors) == 3 and all(e.startswith("error: ") for e in errors), errors
+
+
+def test_compiled_feature_pass_matches_eager_with_one_graph_for_every_batch_shape(tiny):
+    """The feature pass compiles one layer graph (dynamic shapes, no KV cache) that every layer and every batch of
+    two or more rows reuses; its states are the eager pass's up to bf16 rounding."""
+    from torch._dynamo.utils import counters
+
+    target = load_model(tiny)
+    torch.manual_seed(0)
+    vocab = target.args.vocab_size
+    convs = [{"id": i, "tokens": torch.randint(vocab, (n,)).tolist()} for i, n in enumerate((5, 6, 9, 11, 17, 18, 30, 31, 33))]
+    eager = distill.featurize(target, convs, 40)
+    compiled = distill.featurize(target, convs[:4], 24, compile=True)  # two batches of 2 rows
+    graphs = counters["stats"]["unique_graphs"]
+    compiled |= distill.featurize(target, convs[4:], 100, compile=True)  # 3 rows, then 2, longer
+    assert counters["stats"]["unique_graphs"] == graphs
+    assert set(compiled) == set(eager)
+    for i, (h, f) in eager.items():
+        assert compiled[i][0].shape == h.shape and compiled[i][1].shape == f.shape
+        torch.testing.assert_close(compiled[i][0].float(), h.float(), atol=0.02 * h.float().abs().max().item(), rtol=0.02)
+        torch.testing.assert_close(compiled[i][1].float(), f.float(), atol=0.02 * f.float().abs().max().item(), rtol=0.02)

@@ -73,7 +73,7 @@ class DataConfig:
     temperature: float = 0.8  # answers; requests are sampled at 1.0
     greedy_fraction: float = 0.25  # answers decoded greedily, like the greedy runs the head serves
     top_p: float = 0.95
-    compile: bool = True  # the batched decode step (fixed shapes, fullgraph)
+    compile: bool = True  # the batched decode step (fixed shapes, fullgraph) and the feature pass's layer (dynamic)
     seed: int = 0
 
     @property
@@ -366,16 +366,53 @@ def tapped(target: Transformer):
         target.taps = taps
 
 
+def call_layer(layer, x: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor) -> Tensor:
+    return layer(x, rope, cache_pos, mask)
+
+
+_compiled_layer = {}
+
+
+def feature_layer(compile: bool):
+    """How the feature pass runs a layer: compiled once for every layer and batch shape (dynamic), the elementwise
+    work between the matmuls fused; eager otherwise. Without duck sizing, which would give a batch of 2 rows the
+    symbol of RoPE's pairs and then specialise the graph on it."""
+    if not compile:
+        return None
+    if "fn" not in _compiled_layer:
+        fn = torch.compile(call_layer, dynamic=True)
+        _compiled_layer["fn"] = torch.fx.experimental._config.patch(use_duck_shape=False)(fn)
+    return _compiled_layer["fn"]
+
+
+@contextlib.contextmanager
+def cacheless(target: Transformer):
+    """Attention over the rows themselves while inside, no KV cache read or written: a feature pass keeps none,
+    and its compiled layer then sees no cache whose batch size it would specialise on."""
+    caches = [layer.attention.kv_cache for layer in target.layers]
+    for layer in target.layers:
+        layer.attention.kv_cache = None
+    try:
+        yield
+    finally:
+        for layer, cache in zip(target.layers, caches):
+            layer.attention.kv_cache = cache
+
+
 @torch.inference_mode()
-def featurize(target: Transformer, convs: list, max_tokens: int) -> dict:
+def featurize(target: Transformer, convs: list, max_tokens: int, compile: bool = False) -> dict:
     """Conversations through the target in right-padded batches of at most max_tokens (rows x longest) -> their
     states by id: (hidden [T, dim], fused [T, 3 dim]), bf16. For conversations whose answers were written
     elsewhere; answer_requests keeps the states of its own."""
+    if not convs:
+        return {}
     device = target.tok_embeddings.weight.device
+    run_layer = feature_layer(compile)
     convs = sorted(convs, key=lambda c: len(c["tokens"]))
     states = {}
     b = 0
-    with tapped(target):
+    target.setup_caches(len(convs[-1]["tokens"]))  # for its RoPE table
+    with tapped(target), cacheless(target):
         while b < len(convs):
             e = b + 1  # rows sorted by length: grow the batch while rows x longest fits
             while e < len(convs) and (e + 1 - b) * len(convs[e]["tokens"]) <= max_tokens:
@@ -383,9 +420,8 @@ def featurize(target: Transformer, convs: list, max_tokens: int) -> dict:
             chunk, b = convs[b:e], e
             tokens = pad_sequence([torch.tensor(c["tokens"]) for c in chunk], batch_first=True).to(device)
             T = tokens.shape[1]
-            target.setup_caches(T, batch=len(chunk))
             pos = torch.arange(T, device=device)
-            h, f = target.hidden(tokens, pos, pos, causal_mask(pos, T))
+            h, f = target.hidden(tokens, pos, pos, causal_mask(pos, T), run_layer=run_layer)
             for row, c in enumerate(chunk):
                 n = len(c["tokens"])
                 states[c["id"]] = (h[row, :n].to(torch.bfloat16).cpu(), f[row, :n].to(torch.bfloat16).cpu())
@@ -425,7 +461,7 @@ def write_features(cfg: DataConfig, target: Transformer, convs: list, deadline: 
         if (missing and time.monotonic() > deadline) or (len(chunk) < cfg.shard_convs and not final):
             break  # states in hand are written past the deadline: a shard costs seconds, a feature pass minutes
         t0 = time.perf_counter()
-        states.update(featurize(target, missing, cfg.feature_tokens))
+        states.update(featurize(target, missing, cfg.feature_tokens, cfg.compile))
         seconds += time.perf_counter() - t0
         shard = shard_tensors(chunk, states)
         path = out / f"shard-{index:05d}.safetensors"
