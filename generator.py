@@ -18,7 +18,7 @@ import tp
 from checkpoint import check_prompts, check_sampling
 from compiling import compiled, faster
 from draft import DraftHead, use_draft_vocab
-from model import Transformer, causal_mask, find_multiple, layer_region
+from model import Transformer, causal_mask, find_multiple, layer_region, setup_tree
 from sampling import Sampling
 from speculate import CHAINS, SpecState, TreeSpec, draft_context, lookup_cycle, lookup_step, sps_cycle, tree_cycle
 from tokenizer import encode_prompt
@@ -181,9 +181,11 @@ class Generator:
         if self.target.max_seq_length < length:
             self.target.setup_caches(length)
         if self.spec and self.spec.mode not in CHAINS:
-            self.target.setup_tree(self.spec.verify_len)  # (again) after new caches: where a verify's tree waits
-        if self.head is not None and self.head.max_seq_length != self.target.max_seq_length + self.spec.scratch:
-            self.head.setup_caches(self.target.max_seq_length + self.spec.scratch, dtype=self.target.tok_embeddings.weight.dtype)
+            setup_tree(self.target.layers, self.spec.verify_len)  # (again) after new caches: where a verify's tree waits
+        if self.head is not None and self.head.max_seq_length != self.target.max_seq_length:
+            self.head.setup_caches(self.target.max_seq_length, dtype=self.target.tok_embeddings.weight.dtype)
+        if self.head is not None:
+            setup_tree(self.head.layers, self.spec.scratch)  # and where a draft tree's levels keep their K/V
         if self.draft_model is not None and self.draft_model.max_seq_length != self.target.max_seq_length:
             self.draft_model.setup_caches(self.target.max_seq_length)
         if self.spec and self.spec.history and getattr(self.state, "history", torch.empty(0)).shape[0] != self.target.max_seq_length:

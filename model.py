@@ -101,26 +101,38 @@ class KVCache(nn.Module):
         shape = (batch, heads, length, head_dim)
         self.register_buffer("k_cache", torch.zeros(shape, dtype=dtype), persistent=False)
         self.register_buffer("v_cache", torch.zeros(shape, dtype=dtype), persistent=False)
-        for name in ("k_tree", "v_tree"):  # a tree verify's own rows (Transformer.setup_tree), until commit keeps some
+        for name in ("k_tree", "v_tree"):  # a tree's own rows (setup_tree): a verify's until commit keeps some, a draft's
             self.register_buffer(name, None, persistent=False)
 
     # Writes are index_put_ over the slot dim moved first: under torch.vmap (batch.py) index_copy_ has no batching
     # rule, and its per-row fallback copied the whole cache at every write.
-    def update(self, cache_pos: Optional[Tensor], k: Tensor, v: Tensor, width: int):
-        if cache_pos is None:  # a tree verify: the first width - T slots as they are; the tree's rows wait in k_tree
-            self.k_tree[:, :, : k.shape[2]].copy_(k)  # a tree may come out smaller than the room for it
-            self.v_tree[:, :, : v.shape[2]].copy_(v)
-            committed = width - k.shape[2]
-            return self.k_cache[:, :, :committed], self.v_cache[:, :, :committed]
+    def update(self, cache_pos, k: Tensor, v: Tensor, width: int):
+        """k, v [B, Hkv, T, D] into slots cache_pos; None: a tree verify's rows into k_tree until keep; an int: a draft level's
+        into k_tree from that row (so the head's cache takes one write a cycle: written at each level, Inductor copied all of
+        it for every write but the last). -> the K, V the mask covers: the cache's, and a tree's (a verify's, every level's)."""
+        if cache_pos is None or isinstance(cache_pos, int):
+            at, n = cache_pos or 0, k.shape[2]  # a verify's tree may come out smaller than the room for it
+            self.k_tree[:, :, at:at + n].copy_(k)
+            self.v_tree[:, :, at:at + n].copy_(v)
+            tree = (k, v) if cache_pos is None else (self.k_tree, self.v_tree)
+            return self.k_cache[:, :, :width - tree[0].shape[2]], self.v_cache[:, :, :width - tree[0].shape[2]], tree
         self.k_cache.transpose(0, 2).index_put_((cache_pos,), k.transpose(0, 2))
         self.v_cache.transpose(0, 2).index_put_((cache_pos,), v.transpose(0, 2))
-        return self.k_cache[:, :, :width], self.v_cache[:, :, :width]  # the first width slots: what the mask covers
+        return self.k_cache[:, :, :width], self.v_cache[:, :, :width], None  # the first width slots: what the mask covers
 
     def keep(self, rows: Tensor, dst: Tensor):
         """The tree's rows (update(None, ...)) into slots dst, the cache's one write a cycle: Inductor copied the whole
         cache of a graph that wrote it twice (tree rows, then accepted ones moved), reinplacing only the last write."""
         for cache, tree in ((self.k_cache, self.k_tree), (self.v_cache, self.v_tree)):
             cache.transpose(0, 2).index_put_((dst,), tree.transpose(0, 2)[rows])
+
+
+def setup_tree(layers, rows: int):
+    """Room in each layer's cache for a tree's own K/V rows (KVCache.update): a verify's, or a draft tree's."""
+    for layer in layers:
+        c = layer.attention.kv_cache
+        if c.k_tree is None or c.k_tree.shape[2] != rows:
+            c.k_tree, c.v_tree = (c.k_cache.new_zeros(*c.k_cache.shape[:2], rows, c.k_cache.shape[3]) for _ in range(2))
 
 
 class RMSNorm(nn.Module):
@@ -150,9 +162,7 @@ class Attention(nn.Module):
         q = apply_rope(q.view(B, T, self.n_head, self.head_dim), rope).transpose(1, 2)
         k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
-        tree = (k, v) if self.kv_cache is not None and cache_pos is None else None  # a tree verify: read beside the cache
-        if self.kv_cache is not None:
-            k, v = self.kv_cache.update(cache_pos, k, v, mask.shape[-1])
+        k, v, tree = self.kv_cache.update(cache_pos, k, v, mask.shape[-1]) if self.kv_cache is not None else (k, v, None)
         # statically_known_true: a graph for any number of rows (the prefill) keeps SDPA instead of guarding on T.
         if tree or self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
             y = attend_few(q, k, v, mask, tree)
@@ -248,13 +258,6 @@ class Transformer(nn.Module):
             a = layer.attention
             a.kv_cache = KVCache(batch, a.n_kv, max_seq_length, a.head_dim, dtype).to(device)
         self.register_buffer("rope", rope_table(self.args, max_seq_length).to(device), persistent=False)
-
-    def setup_tree(self, rows: int):
-        """Room in every layer for a tree verify's own K/V rows, at most rows of them (hidden() with cache_pos None)."""
-        for layer in self.layers:
-            c = layer.attention.kv_cache
-            if c.k_tree is None or c.k_tree.shape[2] != rows:
-                c.k_tree, c.v_tree = (c.k_cache.new_zeros(*c.k_cache.shape[:2], rows, c.k_cache.shape[3]) for _ in range(2))
 
     def keep_kv(self, rows: Tensor, dst: Tensor):
         """Every layer's K/V of the last tree verify's rows into cache slots dst (a speculative commit)."""

@@ -60,8 +60,8 @@ class TreeSpec:
 
     @property
     def scratch(self) -> int:
-        """Draft KV slots for tree nodes, after the context slots: eagle2 expands topk nodes a level, or when sampling
-        every level's nodes but the last."""
+        """The head's K/V rows for tree nodes, kept apart from its cache (KVCache.update): eagle2 expands topk nodes a
+        level, or when sampling every level's nodes but the last."""
         eagle2 = max((self.depth - 1) * self.topk, sum(self.widths[:-1])) if self.mode == "eagle2" else 0
         return {"eagle2": eagle2, "eagle": self.num_draft_tokens}.get(self.mode, 0)
 
@@ -100,8 +100,8 @@ class SpecState(nn.Module):
             self.register_buffer("scratch_eye", torch.eye(spec.scratch, dtype=torch.bool, device=device))
 
 
-def head_step(target: Transformer, head: DraftHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots: Tensor, mask: Tensor):
-    """The head over n rows of target tokens -> (predicted features [n, dim], draft logits [n, V_draft])."""
+def head_step(target: Transformer, head: DraftHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots, mask: Tensor):
+    """The head over n rows of target tokens (K/V into slots; an int: scratch rows from there) -> (features, draft logits)."""
     h = head(tokens[None], target.tok_embeddings.weight, feats[None], pos, slots, mask)[0]
     return h, head.logits(h, target.output)
 
@@ -116,29 +116,23 @@ def draft_context(target, head, st: SpecState, spec: TreeSpec) -> Tensor:
     return h.index_select(0, st.n_pend.view(1) - 1)[0]  # a tensor index keeps the graph free of syncs
 
 
-def scratch_at(st: SpecState, head: DraftHead, spec: TreeSpec) -> int:
-    """The tree's first draft KV slot: right after the context where attention reads no more than it needs (a CPU:
-    model.live_width), else after the whole context's room. Slots from L wait for the next cycle's context pass."""
-    return live_width(st.L - 1, head.max_seq_length - spec.scratch)
-
-
-def scratch_mask(st: SpecState, at: int, anc: Tensor) -> Tensor:
-    """Draft mask for tree nodes: the committed context plus their ancestors in the scratch (from slot at)."""
-    return torch.cat([(torch.arange(at, device=anc.device) < st.L).expand(anc.shape[0], at), anc], dim=-1)
+def scratch_mask(st: SpecState, ctx: int, anc: Tensor) -> Tensor:
+    """Draft mask for tree nodes: the committed context, the head cache's first ctx slots (all of them, or on a CPU no
+    more than it holds: model.live_width), then their ancestors among the tree's K/V rows, kept apart (KVCache.update)."""
+    return torch.cat([(torch.arange(ctx, device=anc.device) < st.L).expand(anc.shape[0], ctx), anc], dim=-1)
 
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
     Returns the tree's tokens, parents and scores (each node's summed draft log-probs). spectree.grow sees
     draft-vocabulary ids; the head reads, and the tree holds, target ids."""
-    k, ctx = spec.topk, scratch_at(st, head, spec)
+    k, ctx = spec.topk, live_width(st.L - 1, head.max_seq_length)
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
 
     def step(level, tok, parent):
         nonlocal feat, anc
-        slots = ctx + (level - 1) * k + torch.arange(k, device=tok.device)
         anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
-        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k), slots,
+        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k), (level - 1) * k,
                                  scratch_mask(st, ctx, anc))
         return F.log_softmax(logits.float(), dim=-1)
 
@@ -151,7 +145,7 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
 def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise: Tensor):
     """EAGLE-2 when sampling: spec.widths nodes a level, ranked by draft log-probs plus the Gumbels the verify draws
     with (spectree.grow_coupled). noise [depth+1, V] in target ids. -> the tree's tokens, parents and scores."""
-    ctx, widths = scratch_at(st, head, spec), spec.widths
+    ctx, widths = live_width(st.L - 1, head.max_seq_length), spec.widths
     noise = noise[: len(widths), head.draft_vocab] if len(head.draft_vocab) else noise[: len(widths)]
     feat, anc = h_root[None], torch.zeros_like(st.scratch_eye[:1])
 
@@ -159,8 +153,8 @@ def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, s
         nonlocal feat, anc
         first, n = sum(widths[: level - 1]), tok.shape[0]
         anc = anc[parent] | st.scratch_eye[first:first + n]
-        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(n),
-                                 ctx + first + torch.arange(n, device=tok.device), scratch_mask(st, ctx, anc))
+        feat, logits = head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(n), first,
+                                 scratch_mask(st, ctx, anc))
         return sampling.draft_logprobs(logits)
 
     root_logp = sampling.draft_logprobs(head.logits(h_root, target.output))
@@ -171,7 +165,7 @@ def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, s
 def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise=None):
     """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank (when sampling, ranked
     by log-probs plus the verify's Gumbels, as draft_coupled: the tree's shape is fixed, so any noise may rank it)."""
-    parents, ranks, ctx = st.static_parents, st.static_ranks, scratch_at(st, head, spec)
+    parents, ranks, ctx = st.static_parents, st.static_ranks, live_width(st.L - 1, head.max_seq_length)
     noise = noise[:, head.draft_vocab] if noise is not None and len(head.draft_vocab) else noise
 
     def ranked(logits, level):
@@ -186,10 +180,9 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
         tokens.append(tok)
         if level == spec.depth:
             break
-        nodes = torch.arange(first, last, device=tok.device)
         pos = (st.L - 1 + level).expand(last - first)
-        mask = scratch_mask(st, ctx, st.static_anc[nodes - 1])
-        feats, logits = head_step(target, head, tok, feats[local_parent], pos, ctx + nodes - 1, mask)
+        mask = scratch_mask(st, ctx, st.static_anc[first - 1:last - 1])
+        feats, logits = head_step(target, head, tok, feats[local_parent], pos, first - 1, mask)
         top = head.target_ids(ops.topk(ranked(logits, level + 1), spec.topk)[1])
     return torch.cat(tokens), parents, None  # no scores: the static tree is not chosen by value
 

@@ -190,7 +190,7 @@ def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chai
     logp, logq, draft_vocab = chain or markov_chain()
     prompt = de_bruijn(V) if spec.lookup_slots else [0, 1]
     length = len(prompt) + (cycles + 1) * (spec.depth + 1) + 2
-    target, head = MarkovTarget(logp, length), MarkovHead(logq, draft_vocab, length + spec.scratch)
+    target, head = MarkovTarget(logp, length), MarkovHead(logq, draft_vocab, length)
     st = SpecState(spec, V, "cpu")
     if spec.history:
         st.register_buffer("history", torch.zeros(length, dtype=torch.long))
@@ -302,14 +302,14 @@ def pool_rerank(target, head, st, spec, h_root, samp, noise):
     """Broken: EAGLE-2's expansion and pool rerank (speculate.draft_dynamic) over its summed log-probs plus the verify's
     Gumbels: a shallow node's place in the tree hangs on deeper noise rows, which its own draws read."""
     noise = noise[:, head.draft_vocab] if len(head.draft_vocab) else noise
-    k, ctx = spec.topk, speculate.scratch_at(st, head, spec)
+    k, ctx = spec.topk, speculate.live_width(st.L - 1, head.max_seq_length)
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
 
     def step(level, tok, parent):
         nonlocal feat, anc
         anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
         feat, logits = speculate.head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k),
-                                           ctx + (level - 1) * k + torch.arange(k), speculate.scratch_mask(st, ctx, anc))
+                                           (level - 1) * k, speculate.scratch_mask(st, ctx, anc))
         return F.log_softmax(samp.draft_logprobs(logits), -1) + noise[level]
 
     root = F.log_softmax(samp.draft_logprobs(head.logits(h_root, target.output)), -1) + noise[0]
