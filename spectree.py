@@ -160,6 +160,14 @@ def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
     return tokens, parents, live
 
 
+def chain_or_spare(tokens: Tensor, parents: Tensor, live: Tensor, n: int, spare_tokens: Tensor, spare_parents: Tensor):
+    """graft_chain's tree (its slots after node n), or, where none of the slots is live (the text has no n-gram to
+    follow, or the tree already holds the chain), the draft's tree of as many nodes: the slots' rows are verified
+    either way, so they hold the draft's next-best nodes instead of dead ones. -> (tokens, parents, live)."""
+    chained = live[n:].any()
+    return torch.where(chained, tokens, spare_tokens), torch.where(chained, parents, spare_parents), live | ~chained
+
+
 def ancestor_mask(parents: Tensor, depth: int) -> Tensor:
     """[n, n] bool: row i marks i and its ancestors, walking up depth parents (the root is its own). A scan Inductor
     stores: as pointwise rounds it would be inlined into every layer's attention under vmap."""

@@ -124,8 +124,9 @@ def scratch_mask(st: SpecState, ctx: int, anc: Tensor) -> Tensor:
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
-    Returns the tree's tokens, parents and scores (each node's summed draft log-probs). spectree.grow sees
-    draft-vocabulary ids; the head reads, and the tree holds, target ids."""
+    Returns the tree's tokens, parents and scores (each node's summed draft log-probs), and with lookup slots the
+    tree of the m + s best (tokens, parents), which takes the slots' room when the lookup has nothing to add
+    (spectree.chain_or_spare). spectree.grow sees draft-vocabulary ids; the head reads, and the tree holds, target ids."""
     k, ctx = spec.topk, live_width(st.L - 1, head.max_seq_length)
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
 
@@ -139,7 +140,10 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     root_logp = F.log_softmax(head.logits(h_root, target.output).float(), dim=-1)
     sel, pool_tok, pool_parent, pool_score = spectree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
     tokens, parents = spectree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
-    return tokens, parents, F.pad(pool_score[sel], (1, 0))  # the root's score is 0
+    wide = spec.num_draft_tokens + spec.lookup_slots
+    spare = spectree.tree_from_pool(spectree.rerank(pool_score, wide), head.target_ids(pool_tok), pool_parent, st.root) \
+        if spec.lookup_slots and wide <= pool_score.shape[0] else None
+    return tokens, parents, F.pad(pool_score[sel], (1, 0)), spare  # the root's score is 0
 
 
 def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise: Tensor):
@@ -229,16 +233,18 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     h_root = draft_context(target, head, st, spec)
     # Sampling draws the token at depth d with noise[d] (sampling.draw), and the drafts foresee those draws.
     noise = gumbel((spec.depth + 1, target.args.vocab_size), st.L.device) if sampling.temperature else None
+    spare = None
     if spec.mode == "eagle":
         tokens, parents, scores = draft_static(target, head, st, spec, h_root, sampling, noise)
     elif noise is None:
-        tokens, parents, scores = draft_dynamic(target, head, st, spec, h_root)
+        tokens, parents, scores, spare = draft_dynamic(target, head, st, spec, h_root)
     else:
         tokens, parents, scores = draft_coupled(target, head, st, spec, h_root, sampling, noise)
     live = None
     if spec.lookup_slots:
         chain, found = lookup.ngram_draft(st.history, st.L + 1, spec.lookup_slots)
-        tokens, parents, live = spectree.graft_chain(tokens, parents, chain, found)
+        grafted = spectree.graft_chain(tokens, parents, chain, found)
+        tokens, parents, live = grafted if spare is None else spectree.chain_or_spare(*grafted, tokens.shape[0], *spare)
         scores = None  # the chain has no draft confidence
     lap and lap("draft")
     anc = spectree.ancestor_mask(parents, spec.depth)

@@ -503,6 +503,18 @@ def test_fuzz_grow_and_accept_never_crash_stay_closed_and_accept_matching_paths(
         assert all(tokens[n].item() == draws[p[n]].item() for n in want[1:])
 
 
+def test_lookup_slots_hold_the_drafts_next_nodes_when_the_chain_adds_nothing():
+    # root -> a(5) -> b(7); root -> c(6); the draft's next best: d(8) under c, e(9) under a.
+    tokens, parents = torch.tensor([0, 5, 6, 7]), torch.tensor([0, 0, 0, 1])
+    spare = torch.tensor([0, 5, 6, 7, 9, 8]), torch.tensor([0, 0, 0, 1, 1, 2])
+    for chain, found in ((torch.tensor([3, 4]), torch.tensor(False)), (torch.tensor([5, 7]), torch.tensor(True))):
+        t, p, live = spectree.chain_or_spare(*spectree.graft_chain(tokens, parents, chain, found), 4, *spare)
+        assert t.tolist() == spare[0].tolist() and p.tolist() == spare[1].tolist() and live.all()  # no slot left dead
+    # A chain with a live slot keeps its graft: 5 is followed, 4 grows under a.
+    t, p, live = spectree.chain_or_spare(*spectree.graft_chain(tokens, parents, torch.tensor([5, 4]), torch.tensor(True)), 4, *spare)
+    assert t.tolist() == [0, 5, 6, 7, 5, 4] and p.tolist() == [0, 0, 0, 1, 0, 1] and live.tolist() == [True] * 4 + [False, True]
+
+
 def test_graft_chain_follows_the_tree_and_never_doubles_a_sibling():
     # root -> a(5) -> b(7); root -> c(6). The chain 5 7 9 4 follows a and b, then grows 9 -> 4 under b.
     tokens, parents = torch.tensor([0, 5, 6, 7]), torch.tensor([0, 0, 0, 1])

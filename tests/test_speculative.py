@@ -150,6 +150,15 @@ def drafted_trees(gen, prompt):
     return trees
 
 
+def test_lookup_slots_with_nothing_to_follow_hold_the_drafts_next_best_nodes(tiny):
+    """A text with no n-gram to follow (the prompt's tokens all differ, so the first cycle's last 2-gram is new): the
+    lookup slots, verified either way, take the draft's next-best nodes, the tree of m + s draft nodes."""
+    prompt = list(range(1, 11))
+    with_slots = drafted_trees(Generator(tiny.target, TreeSpec("eagle2", 3, 4, 8, lookup_slots=3), head=tiny.head), prompt)
+    wider = drafted_trees(Generator(tiny.target, TreeSpec("eagle2", 3, 4, 11), head=tiny.head), prompt)
+    assert with_slots[0] == wider[0] and len(wider[0]) == 11
+
+
 @pytest.mark.parametrize("name", ["eagle2-6-10-16", "eagle2-3-4-8", "eagle"])
 def test_reduced_draft_vocabulary_is_lossless_and_drafts_inside_it(tiny, name):
     vocab = torch.randperm(tiny.target.args.vocab_size, generator=torch.Generator().manual_seed(3))[:16]
