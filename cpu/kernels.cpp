@@ -698,6 +698,13 @@ static inline __mmask16 mask16(const bool* m, int64_t s, int64_t n, int64_t stri
   return live;
 }
 
+// A layer's keys and values were last read a whole pass ago, so they come from memory, a few KB a KV head, too short a
+// run for the hardware's prefetchers to reach ahead of the loads: the loops ask for the rows PREFETCH_SLOTS slots on.
+static constexpr int64_t PREFETCH_SLOTS = 48;
+static inline void prefetch_row(const at::BFloat16* p, int64_t bytes) {
+  for (int64_t o = 0; o < bytes; o += 64) _mm_prefetch((const char*)p + o, _MM_HINT_T0);
+}
+
 struct Attend {  // one eaglet::attend call: q [B, H, T, D]; k, v [B, Hkv, S, D]; their tree rows kt, vt [B, Hkv, Tt, D]
   const int32_t* q;
   at::BFloat16* y;  // stored [B, T, H, D], the layout the output projection reads: no transpose copy after the call
@@ -734,6 +741,7 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
     const at::BFloat16* kp = a.k[part] + b * a.kb[part] + kvh * a.kh[part];
     for (int64_t s0 = 0; s0 < n; s0 += 16) {
       int64_t w = std::min<int64_t>(16, n - s0);
+      for (int64_t j = s0 + PREFETCH_SLOTS; j < std::min(n, s0 + 16 + PREFETCH_SLOTS); j++) prefetch_row(kp + j * row, a.D * 2);
       for (int i = 0; i < R; i++) {
         __m512 acc[16];
         if (w == 16) {  // unrolled: the accumulators stay in registers
@@ -792,6 +800,7 @@ static void attend_rows(const Attend& a, int64_t r0, float* score, int32_t* pair
       bool any = false;
       for (int i = 0; i < R; i++) any |= pairs[i * pstride + at] != 0;
       if (!any) continue;  // masked for every row: the values are not read
+      for (int64_t j = s + PREFETCH_SLOTS; j < std::min(n, s + 2 + PREFETCH_SLOTS); j++) prefetch_row(vp + j * row, a.D * 2);
       const at::BFloat16* v0 = vp + s * row;
       const at::BFloat16* v1 = s + 1 < n ? v0 + row : zeros;
       for (int c = 0; c < C; c++) {
@@ -860,12 +869,14 @@ static void attend_tiles(const Attend& a, int64_t r0, int R, bool fresh) {
   for (int64_t kb = 0; kb < blocks * fresh; kb++)  // B tiles of K^T: row p = input pair p of 16 keys
     for (int c = 0; c < C; c++) {
       __m512i r[16];
+      for (int64_t j = kb * 16 + PREFETCH_SLOTS; c == 0 && j < std::min(total, kb * 16 + 16 + PREFETCH_SLOTS); j++) prefetch_row(key(j, false), D * 2);
       for (int j = 0; j < 16; j++)
         r[j] = kb * 16 + j < total ? _mm512_loadu_si512(key(kb * 16 + j, false) + c * 32) : _mm512_setzero_si512();
       transpose16(r);
       for (int p = 0; p < 16; p++) _mm512_storeu_si512(kbuf.data() + (kb * C + c) * 256 + p * 16, r[p]);
     }
-  for (int64_t s = 0; s < tpad * fresh; s += 2)  // B tiles of V: row m = values s, s + 1 paired, 16 dims a tile
+  for (int64_t s = 0; s < tpad * fresh; s += 2) {  // B tiles of V: row m = values s, s + 1 paired, 16 dims a tile
+    for (int64_t j = s + PREFETCH_SLOTS; j < std::min(total, s + 2 + PREFETCH_SLOTS); j++) prefetch_row(key(j, true), D * 2);
     for (int n = 0; n < NT; n++) {
       __m256i x0 = s < total ? _mm256_loadu_si256((const __m256i*)(key(s, true) + n * 16)) : _mm256_setzero_si256();
       __m256i x1 = s + 1 < total ? _mm256_loadu_si256((const __m256i*)(key(s + 1, true) + n * 16)) : _mm256_setzero_si256();
@@ -874,6 +885,7 @@ static void attend_tiles(const Attend& a, int64_t r0, int R, bool fresh) {
       _mm256_storeu_si256((__m256i*)row, _mm256_permute2x128_si256(lo, hi, 0x20));
       _mm256_storeu_si256((__m256i*)(row + 8), _mm256_permute2x128_si256(lo, hi, 0x31));
     }
+  }
   amx_config(R);
   const int32_t* q = a.q + r0 * D / 2;
   _tile_loadd(1, q, D * 2);

@@ -74,6 +74,8 @@ def build() -> bool:
             break
         except Exception as e:  # no compiler, no ninja: a slower path, not a failure
             error = e
+            if amx:  # said, or a compiler without AMX (or an error in the tile code) slows every pass unseen
+                print(f"eaglet: the AMX kernels did not build ({' '.join(str(e).split())[:200]}); vdpbf16ps serves", file=sys.stderr)
     else:
         print(f"eaglet: the bf16 kernels did not build ({' '.join(str(error).split())[:200]}); oneDNN serves", file=sys.stderr)
         return False
