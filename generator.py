@@ -92,6 +92,7 @@ class Generator:
     def __init__(self, target: Transformer, spec: Optional[TreeSpec] = None, head: Optional[DraftHead] = None,
                  draft_model: Optional[Transformer] = None, compile: bool = False, tokenizer=None):
         self.target, self.spec, self.head, self.draft_model, self.tokenizer = target, spec, head, draft_model, tokenizer  # tokenizer: chat()'s
+        self.drafter = head if head is not None else draft_model  # what a cycle drafts with
         self.kv_key = object()  # marks the target's caches as this Generator's (a copied target's never match)
         self.device = target.tok_embeddings.weight.device
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
@@ -139,8 +140,7 @@ class Generator:
         if self.spec is None:
             steps.append(("decode_step", decode_one, (self.target, prompt[0, :1], start.view(1), sampling), False, False))
         else:
-            drafter = self.head if self.head is not None else self.draft_model
-            args = (self.target, drafter, self.state, self.spec, sampling)
+            args = (self.target, self.drafter, self.state, self.spec, sampling)
             steps.append((f"{self.spec.mode}_cycle", self.eager_cycle, args, False, False))
             if self.spec.mode == "lookup":
                 steps.append(("lookup_step", lookup_step, args, False, False))
@@ -163,8 +163,7 @@ class Generator:
         with torch.random.fork_rng(devices=[]):
             self.answer([0] * 8, 2, sampling, set())
             if self.spec:
-                drafter = self.head if self.head is not None else self.draft_model
-                self.cycle = faster(self.cycle, self.eager_cycle, (self.target, drafter, self.state, self.spec, sampling), log)
+                self.cycle = faster(self.cycle, self.eager_cycle, (self.target, self.drafter, self.state, self.spec, sampling), log)
             else:
                 one = torch.ones(1, dtype=torch.long, device=self.device)
                 self.decode_one = faster(self.decode_one, decode_one, (self.target, one, 8 * one, sampling), log)
@@ -209,11 +208,10 @@ class Generator:
     @torch.inference_mode()
     def generate(self, prompt: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, on_tokens=None,
                  lap=None, reuse: bool = False) -> Result:
-        """Token ids of the answer to prompt (token ids), up to and including a stop token (default: the
-        model's). on_tokens(new ids) is called as tokens are committed (streaming). lap(name, **cycle_tensors):
-        run the cycle eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle.
-        reuse: prefill only what the caches do not hold yet from this Generator's last prompt and answer (a
-        chat's next turn); the answer is the same as without."""
+        """Token ids of the answer to prompt (token ids), up to and including a stop token (default: the model's).
+        on_tokens(new ids) is called as tokens are committed (streaming). lap(name, **cycle_tensors): run the cycle
+        eagerly and call lap at the end of each phase (bench.py's split); see tree_cycle. reuse: prefill only what the
+        caches do not hold yet from this Generator's last prompt and answer (a chat's next turn); the answer is the same."""
         self.check([prompt], max_new_tokens, stop_ids, sampling)
         fresh = self.reserve(len(prompt) + max_new_tokens)
         self.build(sampling)  # before the first token; compiles only for a new sampling rule or cache size
@@ -246,9 +244,8 @@ class Generator:
             while len(out) < max_new_tokens and out[-1] not in stop_ids:
                 pace()
                 if self.spec:
-                    drafter = self.head if self.head is not None else self.draft_model
                     cycle, eager_cycle = (self.cycle, self.eager_cycle) if drafts else (self.plain_cycle, lookup_step)
-                    args = (self.target, drafter, self.state, self.spec, sampling)
+                    args = (self.target, self.drafter, self.state, self.spec, sampling)
                     chunk = (eager_cycle(*args, lap) if lap else cycle(*args)).tolist()
                     if self.spec.mode == "lookup":
                         drafts = bool(chunk.pop())

@@ -86,10 +86,9 @@ def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
 
 
 def rerank(pool_scores: Tensor, m: int) -> Tensor:
-    """The m best pool entries, as ascending pool indices (which is topological order).
-
-    A child's score never exceeds its parent's, and the pool lists shallower levels first, so a stable
-    descending sort puts every parent before its children, ties included: any prefix is ancestor-closed."""
+    """The m best pool entries, as ascending pool indices (which is topological order). A child's score never exceeds
+    its parent's, and the pool lists shallower levels first, so a stable descending sort puts every parent before its
+    children, ties included: any prefix is ancestor-closed."""
     order = torch.sort(pool_scores, descending=True, stable=True).indices
     return torch.sort(order[:m]).values
 
@@ -142,11 +141,12 @@ def tree_from_pool(sel: Tensor, pool_tokens: Tensor, pool_parents: Tensor, root:
     return torch.cat([root.view(1), pool_tokens[sel]]), parents
 
 
-def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
+def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor, spare=None):
     """Adds a chain of s tokens continuing the root (prompt lookup's draft) to a tree: s more nodes, chain token i at
     depth i+1. Where the tree already holds the chain's prefix, the chain follows it instead of doubling it (two
     siblings with one token would give that token two chances at T > 0) and the slot stays dead; a chain that was
-    not found is all dead. -> (tokens, parents, live [n+s] bool): dead nodes must never be accepted."""
+    not found is all dead. spare: the draft's tree of n + s nodes (tokens, parents), taken whole where no slot is
+    live, as the slots' rows are verified either way. -> (tokens, parents, live [n+s] bool): dead nodes are never accepted."""
     n = tokens.shape[0]
     node = torch.arange(n + chain.shape[0], device=tokens.device)
     live = torch.ones(n, dtype=torch.bool, device=tokens.device)
@@ -157,15 +157,10 @@ def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor):
         tokens, parents = torch.cat([tokens, chain[i].view(1)]), torch.cat([parents, cur.view(1)])
         live = torch.cat([live, found.view(1) & ~exists.view(1) & live.index_select(0, cur.view(1))])  # a tensor index: no sync
         cur = torch.where(exists, twin.int().argmax(), n + i)
+    if spare is not None:
+        chained = live[n:].any()
+        tokens, parents, live = torch.where(chained, tokens, spare[0]), torch.where(chained, parents, spare[1]), live | ~chained
     return tokens, parents, live
-
-
-def chain_or_spare(tokens: Tensor, parents: Tensor, live: Tensor, n: int, spare_tokens: Tensor, spare_parents: Tensor):
-    """graft_chain's tree (its slots after node n), or, where none of the slots is live (the text has no n-gram to
-    follow, or the tree already holds the chain), the draft's tree of as many nodes: the slots' rows are verified
-    either way, so they hold the draft's next-best nodes instead of dead ones. -> (tokens, parents, live)."""
-    chained = live[n:].any()
-    return torch.where(chained, tokens, spare_tokens), torch.where(chained, parents, spare_parents), live | ~chained
 
 
 def ancestor_mask(parents: Tensor, depth: int) -> Tensor:

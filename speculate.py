@@ -124,9 +124,8 @@ def scratch_mask(st: SpecState, ctx: int, anc: Tensor) -> Tensor:
 
 def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
     """EAGLE-2: expand the top-k nodes by value level by level, then keep the m best of the pool.
-    Returns the tree's tokens, parents and scores (each node's summed draft log-probs), and with lookup slots the
-    tree of the m + s best (tokens, parents), which takes the slots' room when the lookup has nothing to add
-    (spectree.chain_or_spare). spectree.grow sees draft-vocabulary ids; the head reads, and the tree holds, target ids."""
+    Returns the tree's tokens, parents and scores (each node's summed draft log-probs), and with s lookup slots the m + s
+    best as a tree (graft_chain's spare). spectree.grow sees draft-vocabulary ids; the head reads, and the tree holds, target ids."""
     k, ctx = spec.topk, live_width(st.L - 1, head.max_seq_length)
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
 
@@ -233,18 +232,16 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     h_root = draft_context(target, head, st, spec)
     # Sampling draws the token at depth d with noise[d] (sampling.draw), and the drafts foresee those draws.
     noise = gumbel((spec.depth + 1, target.args.vocab_size), st.L.device) if sampling.temperature else None
-    spare = None
+    spare = live = None  # spare: the m + s best, where the lookup slots have nothing to add (graft_chain)
     if spec.mode == "eagle":
         tokens, parents, scores = draft_static(target, head, st, spec, h_root, sampling, noise)
     elif noise is None:
         tokens, parents, scores, spare = draft_dynamic(target, head, st, spec, h_root)
     else:
         tokens, parents, scores = draft_coupled(target, head, st, spec, h_root, sampling, noise)
-    live = None
     if spec.lookup_slots:
         chain, found = lookup.ngram_draft(st.history, st.L + 1, spec.lookup_slots)
-        grafted = spectree.graft_chain(tokens, parents, chain, found)
-        tokens, parents, live = grafted if spare is None else spectree.chain_or_spare(*grafted, tokens.shape[0], *spare)
+        tokens, parents, live = spectree.graft_chain(tokens, parents, chain, found, spare)
         scores = None  # the chain has no draft confidence
     lap and lap("draft")
     anc = spectree.ancestor_mask(parents, spec.depth)
@@ -299,10 +296,9 @@ def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec
 
 
 def lookup_cycle(target: Transformer, _drafter, st: SpecState, spec: TreeSpec, sampling: Sampling, lap=None, drafts: bool = True) -> Tensor:
-    """Prompt lookup: the chain is what followed the last occurrence of the text's latest n-gram (lookup.py).
-    Returns the commit's [accept_len, tokens] and whether the next cycle has a match: without one the
-    Generator runs this with drafts=False, a one-token verify (a plain decode step), instead of paying for
-    k drafts that would be rejected."""
+    """Prompt lookup: the chain is what followed the last occurrence of the text's latest n-gram (lookup.py). Returns
+    the commit's [accept_len, tokens] and whether the next cycle has a match: without one the Generator runs this with
+    drafts=False, a one-token verify (a plain decode step), instead of paying for k drafts that would be rejected."""
     chain, _ = lookup.ngram_draft(st.history, st.L + 1, spec.depth)
     lap and lap("draft")
     out = verify_chain(target, st, spec, torch.cat([st.root, chain]) if drafts else st.root, sampling)

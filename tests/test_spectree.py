@@ -508,10 +508,10 @@ def test_lookup_slots_hold_the_drafts_next_nodes_when_the_chain_adds_nothing():
     tokens, parents = torch.tensor([0, 5, 6, 7]), torch.tensor([0, 0, 0, 1])
     spare = torch.tensor([0, 5, 6, 7, 9, 8]), torch.tensor([0, 0, 0, 1, 1, 2])
     for chain, found in ((torch.tensor([3, 4]), torch.tensor(False)), (torch.tensor([5, 7]), torch.tensor(True))):
-        t, p, live = spectree.chain_or_spare(*spectree.graft_chain(tokens, parents, chain, found), 4, *spare)
+        t, p, live = spectree.graft_chain(tokens, parents, chain, found, spare)
         assert t.tolist() == spare[0].tolist() and p.tolist() == spare[1].tolist() and live.all()  # no slot left dead
     # A chain with a live slot keeps its graft: 5 is followed, 4 grows under a.
-    t, p, live = spectree.chain_or_spare(*spectree.graft_chain(tokens, parents, torch.tensor([5, 4]), torch.tensor(True)), 4, *spare)
+    t, p, live = spectree.graft_chain(tokens, parents, torch.tensor([5, 4]), torch.tensor(True), spare)
     assert t.tolist() == [0, 5, 6, 7, 5, 4] and p.tolist() == [0, 0, 0, 1, 0, 1] and live.tolist() == [True] * 4 + [False, True]
 
 
