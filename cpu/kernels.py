@@ -14,6 +14,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
+from model import one_line
 from progress import ticking
 
 LANES = 16  # outputs a vector holds (fp32 accumulators)
@@ -75,9 +76,9 @@ def build() -> bool:
         except Exception as e:  # no compiler, no ninja: a slower path, not a failure
             error = e
             if amx:  # said, or a compiler without AMX (or an error in the tile code) slows every pass unseen
-                print(f"eaglet: the AMX kernels did not build ({' '.join(str(e).split())[:200]}); vdpbf16ps serves", file=sys.stderr)
+                print(f"eaglet: the AMX kernels did not build ({one_line(e)}); vdpbf16ps serves", file=sys.stderr)
     else:
-        print(f"eaglet: the bf16 kernels did not build ({' '.join(str(error).split())[:200]}); oneDNN serves", file=sys.stderr)
+        print(f"eaglet: the bf16 kernels did not build ({one_line(error)}); oneDNN serves", file=sys.stderr)
         return False
     global AMX
     AMX = bool(amx) and torch.ops.eaglet.amx_set(True, AMX_MIN_ROWS, AMX_ATTEND_ROWS)  # the kernel asks Linux for the tile state once
@@ -115,7 +116,7 @@ def build_fp32() -> bool:
             load("eaglet_rows_mm_fp32", sources=[str(SOURCE_FP32)], is_python_module=False,
                  extra_cflags=["-O3", "-fopenmp", "-mavx2", "-mfma"], extra_ldflags=["-fopenmp"])
     except Exception as e:  # no compiler, no ninja: a slower path, not a failure
-        print(f"eaglet: the fp32 kernel did not build ({' '.join(str(e).split())[:200]}); oneDNN serves", file=sys.stderr)
+        print(f"eaglet: the fp32 kernel did not build ({one_line(e)}); oneDNN serves", file=sys.stderr)
         return False
     for op in ("rows_mm_fp32", "rows_mm_codes"):
         torch.library.register_fake(f"eaglet::{op}")(lambda x, w, *_: x.new_empty(*x.shape[:-1], w.shape[0] * LANES))
