@@ -6,7 +6,7 @@
 import torch
 
 import ops
-from cpu import inductor, kernels, linears, threads
+from cpu import hugepages, inductor, kernels, linears, threads
 from draft import DraftHead
 from sampling import Sampling, uniform
 
@@ -17,8 +17,8 @@ PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "
 def prepare(compile, target, *drafters):
     """ops.prepare on a CPU. A bf16 target's logits are fp32 sums where the rows kernel runs (linears.logits_in_fp32),
     compiled or not. compile True: every float linear prepacked (pack_linears), a draft head's in int8 codes (its
-    outputs only rank drafts; the verify decides what is kept); "max": the weights left for Inductor to freeze ->
-    the options of graphs over them."""
+    outputs only rank drafts; the verify decides what is kept), the packed weights then on huge pages (hugepages.py);
+    "max": the weights left for Inductor to freeze -> the options of graphs over them."""
     device = target.tok_embeddings.weight.device
     if device.type != "cpu":
         return PLAIN["prepare"](compile, target, *drafters)
@@ -26,13 +26,13 @@ def prepare(compile, target, *drafters):
     if any(p.dtype == torch.bfloat16 for m in models for p in m.parameters()):
         kernels.build()  # attention's kernel serves frozen graphs too
     linears.logits_in_fp32(target)
-    if not compile:
-        return None
     if compile == "max":
         return inductor.frozen_options(*models)
-    linears.pack_linears(*models)
-    for head in (m for m in models if isinstance(m, DraftHead)):
-        linears.draft_head_in_int8(head)
+    if compile:
+        linears.pack_linears(*models)
+        for head in (m for m in models if isinstance(m, DraftHead)):
+            linears.draft_head_in_int8(head)
+    hugepages.gather([m for model in models for m in model.modules() if isinstance(m, linears.PackedLinear)])
     return None
 
 

@@ -130,8 +130,11 @@ static void amx_blocks(const W* w, int64_t pairs, const at::BFloat16* x, int64_t
   if constexpr (NB > 2) _tile_zero(2);
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t p = 0; p < pairs; p += 16) {
-    for (int b = 0; b < NB; b++)  // the next 16 pairs, 1 KB (bf16) or 512 bytes (int8) ahead
-      for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)(w + b * block + p * 16 + 256) + l * 64, _MM_HINT_T0);
+    for (int b = 0; b < NB; b++) {  // the next 16 pairs, 1 KB (bf16) or 512 bytes (int8) ahead; in the last step, the
+      // first 16 of the next NB blocks' (the next call's), whose starts would otherwise come cold to a tile load
+      const W* ahead = p + 16 < pairs ? w + b * block + (p + 16) * 16 : w + (NB + b) * block;
+      for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)ahead + l * 64, _MM_HINT_T0);
+    }
     _tile_loadd(4, x + 2 * p, xs * 2);
     AMX_LOAD_B(5, 0) _tile_dpbf16ps(0, 4, 5);
     if constexpr (NB > 1) { AMX_LOAD_B(6, 1) _tile_dpbf16ps(1, 4, 6); }

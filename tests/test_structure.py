@@ -23,7 +23,7 @@ FOLDERS = ("cpu", "bench", "train")
 CLIS = {"generate", "quantize", "bench.bench", "bench.calibration", "bench.distill_speed", "bench.noise_cost", "bench.serve_bench",
         "train.head_agreement", "train.corpus", "serve"}
 LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cachedir", "prompts",
-           "convert_hf_checkpoint", "terminal", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "cpu.threads", "bench", "bench.peers", "bench.cycle_split", "bench.float32_noise", "train", "train.distill",
+           "convert_hf_checkpoint", "terminal", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "cpu.threads", "cpu.hugepages", "bench", "bench.peers", "bench.cycle_split", "bench.float32_noise", "train", "train.distill",
            "train.train_draft"}  # train_draft: a CLI whose training steps head_agreement reuses
 MODELS = {"model", "draft", "weights", "quant", "ops", "progress", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
 LAYER = {name: i for i, layer in enumerate((MODELS, LIBRARY, CLIS)) for name in layer}
