@@ -7,7 +7,7 @@ import mmap
 
 import torch
 
-MIN_BYTES = 1 << 16  # smaller buffers (norms, scales of a small layer) stay where they are
+MIN_BYTES = 1 << 16  # smaller buffers (a small layer's scales) stay where they are: a page holds many of them
 ALIGN = 64  # each buffer starts on a cache line, as an allocator's would
 _arenas = []  # (start, end) of the mappings made here: a buffer already in one is left in place
 
