@@ -138,9 +138,9 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
 
     root_logp = F.log_softmax(head.logits(h_root, target.output).float(), dim=-1)
     sel, pool_tok, pool_parent, pool_score = spectree.grow(root_logp, step, k, spec.depth, spec.num_draft_tokens)
-    tokens, parents = spectree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
-    wide = spec.num_draft_tokens + spec.lookup_slots
-    spare = spectree.tree_from_pool(spectree.rerank(pool_score, wide), head.target_ids(pool_tok), pool_parent, st.root) \
+    ids, wide = head.target_ids(pool_tok), spec.num_draft_tokens + spec.lookup_slots
+    tokens, parents = spectree.tree_from_pool(sel, ids, pool_parent, st.root)
+    spare = spectree.tree_from_pool(spectree.rerank(pool_score, wide), ids, pool_parent, st.root) \
         if spec.lookup_slots and wide <= pool_score.shape[0] else None
     return tokens, parents, F.pad(pool_score[sel], (1, 0)), spare  # the root's score is 0
 
