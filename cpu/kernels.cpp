@@ -402,6 +402,12 @@ static inline void screen16_f32(const int32_t* a1, const int32_t* a2, int64_t i,
   for (; k; k &= k - 1) kept.emplace_back(i + __builtin_ctz(k), up[__builtin_ctz(k)]);
 }
 
+// After each pair of blocks a row's lanes all take the best lower bound any of them has seen: a token is then kept only
+// if it reaches the row's best so far, not merely its lane's, which rises slowly (every kept token costs a push and its
+// share of the sort).
+static inline void spread(__m512& lane) { lane = _mm512_set1_ps(_mm512_reduce_max_ps(lane)); }
+static inline void spread(__m512d* lane) { lane[0] = lane[1] = _mm512_set1_pd(std::max(_mm512_reduce_max_pd(lane[0]), _mm512_reduce_max_pd(lane[1]))); }
+
 static inline void screen16_f64(const int32_t* a1, const int32_t* a2, int64_t i, const float* st, int64_t V, const Screen& s,
                                 int64_t row, const double* g, double inv_t, __m512d* lane, Kept& kept) {
   for (int h = 0; h < 16; h += 8) {
@@ -497,6 +503,8 @@ at::Tensor lm_head_argmax(const at::Tensor& input, const at::Tensor& codes, cons
             else
               screen16_f64(s1, s2, i, st, V, s, m + r, g_row[m + r], inv_t, &lanes2[2 * (m + r)], mine[m + r]);
           }
+        for (int r = 0; r < R; r++)
+          if (f32) spread(lanes[m + r]); else spread(&lanes2[2 * (m + r)]);
       }
     }
 #ifdef EAGLET_AMX
