@@ -73,26 +73,26 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
 
 
 def rope_table(args: ModelArgs, length: int) -> Tensor:
-    """[length, head_dim/2, 2] (cos, sin) in fp32."""
+    """[length, 2, head_dim] in fp32: each pair's cos twice, then its sin as (-sin, sin), what apply_rope multiplies."""
     angles = torch.outer(torch.arange(length, dtype=torch.float64), rope_frequencies(args))
-    return torch.stack([angles.cos(), angles.sin()], dim=-1).float()
+    cos, sin = angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2)
+    return torch.stack([cos, sin], dim=-2).float()
 
 
 def rope_at(table: Tensor, input_pos: Tensor, batch: int) -> Tensor:
-    """Rows of a rope_table for positions [T] (shared by the batch) or [B, T] -> [B, T, D/2, 2]."""
+    """Rows of a rope_table for positions [T] (shared by the batch) or [B, T] -> [B, T, 2, D]."""
     rope = table[input_pos]
     return rope.unsqueeze(0).expand(batch, -1, -1, -1) if rope.dim() == 3 else rope
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    # Interleaved pairs (2i, 2i+1), the Meta / gpt-fast layout; HF checkpoints are permuted into it.
-    xs = x.float().reshape(*x.shape[:-1], -1, 2)
-    rope = rope.view(rope.shape[0], rope.shape[1], 1, rope.shape[2], 2)  # [B, T, 1, D/2, 2]
-    out = torch.stack(
-        [xs[..., 0] * rope[..., 0] - xs[..., 1] * rope[..., 1], xs[..., 1] * rope[..., 0] + xs[..., 0] * rope[..., 1]],
-        dim=-1,
-    )
-    return out.flatten(-2).type_as(x)
+    # Interleaved pairs (2i, 2i+1), the Meta / gpt-fast layout; HF checkpoints are permuted into it. Written as whole
+    # rows (x times the cos row, plus x with each pair swapped times the signed sin row) so that compiled it is one
+    # vector loop: the pairs as two strided halves compiled to scalar loops and a third to interleave them. The same
+    # products and sums: x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin.
+    xs = x.float()
+    swapped = xs.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
+    return (xs * rope[:, :, None, 0] + swapped * rope[:, :, None, 1]).type_as(x)
 
 
 class KVCache(nn.Module):

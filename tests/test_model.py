@@ -7,7 +7,7 @@ import torch
 import torch.nn.functional as F
 
 import compiling
-from model import attend_few, causal_mask, eagle3_taps, live_width
+from model import ModelArgs, apply_rope, attend_few, causal_mask, eagle3_taps, live_width, rope_at, rope_table
 
 
 def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
@@ -29,6 +29,26 @@ def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
     assert torch.equal(tapped_logits, logits)
     assert torch.allclose(fused, torch.cat([entering[2], entering[3], entering[3]], -1), atol=1e-6)
     assert eagle3_taps(30) == (2, 15, 27)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rotates_each_pair_by_its_angle(dtype):
+    # apply_rope works on whole rows (cos row, signed sin row, pairs swapped); each pair (2i, 2i+1) must come out
+    # rotated by position * frequency i, the same products and sums as the pairwise form, eager and compiled.
+    args = ModelArgs(dim=64, n_layer=1, n_head=2, n_local_heads=1, head_dim=32, intermediate_size=64, vocab_size=8)
+    g = torch.Generator().manual_seed(0)
+    x = (torch.randn(2, 5, 2, 32, generator=g) * 3).to(dtype)
+    pos = torch.tensor([[0, 1, 7, 100, 511], [3, 4, 5, 6, 7]])
+    angle = (pos[..., None].double() * (1.0 / 10000 ** (torch.arange(0, 32, 2).double() / 32)))[:, :, None]
+    cos, sin = angle.cos().float(), angle.sin().float()
+    a, b = x.float()[..., 0::2], x.float()[..., 1::2]
+    want = torch.stack([a * cos - b * sin, b * cos + a * sin], -1).flatten(-2).to(dtype)
+    table = rope_table(args, 512)
+    rope = rope_at(table, pos, 2)
+    assert torch.equal(apply_rope(x, rope), want)
+    assert torch.equal(torch.compile(apply_rope, fullgraph=True)(x, rope), want)
+    wrong = torch.stack([a * cos + b * sin, b * cos - a * sin], -1).flatten(-2).to(dtype)  # rotated the other way
+    assert not torch.equal(apply_rope(x, rope), wrong)
 
 
 @pytest.mark.parametrize("compiled", [False, True], ids=["eager", "compiled"])
