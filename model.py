@@ -86,10 +86,10 @@ def rope_at(table: Tensor, input_pos: Tensor, batch: int) -> Tensor:
 
 
 def apply_rope(x: Tensor, rope: Tensor) -> Tensor:
-    # Interleaved pairs (2i, 2i+1), the Meta / gpt-fast layout; HF checkpoints are permuted into it. Written as whole
-    # rows (x times the cos row, plus x with each pair swapped times the signed sin row) so that compiled it is one
-    # vector loop: the pairs as two strided halves compiled to scalar loops and a third to interleave them. The same
-    # products and sums: x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin.
+    # Interleaved pairs (2i, 2i+1), the Meta / gpt-fast layout; HF checkpoints are permuted into it. Written over whole
+    # rows (x times the cos row, plus x with each pair swapped times the signed sin row), Inductor makes one vector
+    # loop of it; over the pairs as two strided halves it made two scalar loops and a third to interleave them. The
+    # products and sums are the same: x[2i] cos - x[2i+1] sin, x[2i+1] cos + x[2i] sin.
     xs = x.float()
     swapped = xs.unflatten(-1, (-1, 2)).flip(-1).flatten(-2)
     return (xs * rope[:, :, None, 0] + swapped * rope[:, :, None, 1]).type_as(x)
