@@ -75,8 +75,8 @@ def rope_frequencies(args: ModelArgs) -> Tensor:
 def rope_table(args: ModelArgs, length: int) -> Tensor:
     """[length, 2, head_dim] in fp32: each pair's cos twice, then its sin as (-sin, sin), what apply_rope multiplies."""
     angles = torch.outer(torch.arange(length, dtype=torch.float64), rope_frequencies(args))
-    cos, sin = angles.cos().repeat_interleave(2, -1), torch.stack([-angles.sin(), angles.sin()], -1).flatten(-2)
-    return torch.stack([cos, sin], dim=-2).float()
+    sin = angles.sin()
+    return torch.stack([angles.cos().repeat_interleave(2, -1), torch.stack([-sin, sin], -1).flatten(-2)], dim=-2).float()
 
 
 def rope_at(table: Tensor, input_pos: Tensor, batch: int) -> Tensor:
