@@ -244,8 +244,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
     few = [m for m in M_CHOICES if m + 1 <= KERNEL_MAX_ROWS]
     sizes = [m for m in M_CHOICES if not (compile_fn and quantised) or m not in few[1:-1]]
     step = target_pass(1)
-    # reps 9: neighbouring sizes differ by a few hundredths of a step, and the tree chosen hangs on their order
-    verify = [_median_ratio(target_pass(m + 1), step, device, reps=9) for m in sizes]
+    verify = [_median_ratio(target_pass(m + 1), step, device) for m in sizes]
     verify = [min(verify[i:]) for i in range(len(verify))]  # a longer pass never costs less: a dip later marks noise
     # levels take reps 7: the two widths' difference is a few hundredths of a step
     level = {str(k): round(_median_ratio(head_level(k), step, device, reps=7), 3) for k in (4, 10)}
@@ -288,9 +287,8 @@ def device_name(device) -> str:
 # of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
 # layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel; 8: a draft level's
 # top-k on eaglet::topk, attention's output written where wo reads it; 9: a level over half the draft vocabulary; 10: the
-# target's draws from int8 codes of its LM head, eaglet::lm_head_argmax; 11: a verify's cost the median of 9 timings, not
-# 3), so older measurements are not reused.
-COSTS_VERSION = 11
+# target's draws from int8 codes of its LM head, eaglet::lm_head_argmax), so older measurements are not reused.
+COSTS_VERSION = 10
 
 
 def cache_key(target, head, compiled=False) -> str:
