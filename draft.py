@@ -1,7 +1,9 @@
 # The draft heads. EAGLE-1/2 (kind "eagle"): fc over [token embedding; target feature], then one decoder
 # layer without the input norm (config n_layer; the official heads have one, further layers have the norm, as
 # in the official code); no embedding, final norm or LM head of its own: the caller embeds tokens
-# and reads logits with the target's tensors, so they are shared, never copied.
+# and reads logits with the target's tensors, so they are shared, never copied. With taps (this project's
+# extension), where the target's feature enters (the first draft level) the head also reads EAGLE-3's fused states
+# through `fuse`, added to fc's output.
 # EAGLE-3 (kind "eagle3"): fc maps the target's fused features (the states entering three layers, 3*dim)
 # to dim; one decoder layer whose attention reads [norm(token embedding); norm(h)] (2*dim) with the
 # residual on h; its own final norm and LM head over a draft vocabulary. Deeper draft levels feed the
@@ -55,9 +57,13 @@ class DraftHead(nn.Module):
 class EagleHead(DraftHead):
     kind = "eagle"
 
-    def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0, token_table: bool = False):
+    def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0, token_table: bool = False, taps: tuple = ()):
         super().__init__(args, draft_vocab_size)
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
+        # taps: (the target's n_layer, its post-norm state, then the layers whose entering states fuse reads), or none.
+        # The low and middle layers still hold what the last one has narrowed down to a prediction (docs/training.md).
+        self.taps = tuple(taps)
+        self.fuse = nn.Linear((len(taps) - 1) * args.dim, args.dim, bias=False) if taps else None
         # A learned input row per draft-vocabulary token (the last: every other one), added to its embedding: what follows
         # a token ("trud": "ged") is lexical knowledge one layer over a frozen embedding learns slowly. A lookup: no draft time.
         rows = draft_vocab_size or args.vocab_size  # without a draft vocabulary, one per token id
@@ -74,10 +80,17 @@ class EagleHead(DraftHead):
         return target_output(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, tokens: Tensor, embedding: Tensor, feature: Tensor, input_pos, cache_pos, mask, attention=None) -> Tensor:
-        """tokens [B, T] (target ids; embedding: the target's weight), feature [B, T, dim] -> predicted next features
-        [B, T, dim] (pre LM head, no norm). attention: one per layer, or None (see Eagle3Block)."""
+        """tokens [B, T] (target ids; embedding: the target's weight), feature [B, T, dim] (or, with taps, the target's
+        [B, T, len(taps) * dim]) -> predicted next features [B, T, dim] (pre LM head, no norm). attention: one per
+        layer, or None (see Eagle3Block)."""
         emb = self.embed(tokens, embedding)
-        x = self.fc(torch.cat([emb, feature.to(emb.dtype)], dim=-1))
+        feature = feature.to(emb.dtype)
+        fused = None
+        if feature.shape[-1] != self.args.dim:  # static: the target's states (taps), not the head's own one level up
+            feature, fused = feature.split([self.args.dim, feature.shape[-1] - self.args.dim], dim=-1)
+        x = self.fc(torch.cat([emb, feature], dim=-1))
+        if fused is not None:
+            x = x + self.fuse(fused)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         for i, layer in enumerate(self.layers):
             x = layer(x, rope, cache_pos, mask, attention and attention[i])

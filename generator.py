@@ -97,7 +97,8 @@ class Generator:
         self.device = target.tok_embeddings.weight.device
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
-        # EAGLE-3 heads read the states entering their tap layers, handed over by the prefill and verify passes (target.taps)
+        # A head with taps (EAGLE-3, or EAGLE-1/2 with the fused input) reads the states entering those layers, handed over
+        # by the prefill and verify passes (target.taps)
         self.taps = head.taps if head is not None else ()
         target.taps = self.taps
         feat_dim = target.args.dim * (len(self.taps) or 1)

@@ -247,7 +247,7 @@ class Transformer(nn.Module):
         if args.tie_embeddings:
             self.output.weight = self.tok_embeddings.weight
         self.max_seq_length = 0
-        self.taps = ()  # layers whose input states forward() returns as draft features (EAGLE-3); see hidden()
+        self.taps = ()  # layers whose input states forward() returns as draft features (EAGLE-3; n_layer: h); see hidden()
 
     def setup_caches(self, max_seq_length: int, batch: int = 1, dtype=None):
         """Allocates the KV caches and the RoPE table; the table always covers the whole cache."""
@@ -268,6 +268,7 @@ class Transformer(nn.Module):
         """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads). Draft features
         are the post-norm states themselves (EAGLE-1/2), or with self.taps set (EAGLE-3) the hidden states entering those
         layers, concatenated [B, T, len(taps) * dim]: taken from the forward that runs anyway, never from an extra pass.
+        Tap n_layer is the post-norm state itself (an EAGLE-1/2 head that reads the fused states too: draft.EagleHead).
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots; mask [T, S] or [B, T, S]
         bool over the first S cache slots (True = may attend; live_width). cache_pos None (a tree verify, setup_tree):
         the cache is read, not written; the mask covers its first S - T slots and then these T tokens, whose K/V wait
@@ -281,7 +282,7 @@ class Transformer(nn.Module):
             if i in self.taps:
                 entering[i] = x
             x = run_layer(layer, x, rope, cache_pos, mask) if run_layer else layer(x, rope, cache_pos, mask)
-        h = self.norm(x)
+        h = entering[len(self.layers)] = self.norm(x)
         return h, (torch.cat([entering[i] for i in self.taps], dim=-1) if self.taps else h)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor):

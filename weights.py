@@ -80,6 +80,10 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
         taps = tuple(cfg.get("taps") or eagle3_taps(target_args.n_layer))  # converted without a target: the official layers
         if not (len(taps) == 3 and all(0 <= t < target_args.n_layer for t in taps)):
             raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
+    else:  # the post-norm state (tap n_layer) first, then the layers whose entering states the head fuses, if any
+        taps = tuple(cfg.get("taps") or ())
+        if taps and not (len(taps) > 1 and taps[0] == target_args.n_layer and all(0 <= t < target_args.n_layer for t in taps[1:])):
+            raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"draft head {path} has no .safetensors weights")
@@ -87,7 +91,7 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
         if kind == "eagle3":
             head = Eagle3Head(args, cfg["draft_vocab_size"], taps)
         else:
-            head = EagleHead(args, cfg.get("fc_bias", True), cfg.get("draft_vocab_size", 0), cfg.get("token_table", False))
+            head = EagleHead(args, cfg.get("fc_bias", True), cfg.get("draft_vocab_size", 0), cfg.get("token_table", False), taps)
     quant.prepare(head, cfg)
     try:
         head.load_state_dict(load_state(files[0]), assign=True)

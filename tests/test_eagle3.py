@@ -1,6 +1,7 @@
 # EAGLE-3 heads: an official-format head converts and matches a reference written here from the description
 # (reference-notes 2.10-2.11), misfits are refused in one line, and with an EAGLE-3 head speculation stays
-# lossless: fp32 greedy equals vanilla, sampling follows the target's distribution, the compiled cycle runs.
+# lossless: fp32 greedy equals vanilla, sampling follows the target's distribution, the compiled cycle runs. So does an
+# EAGLE-1/2 head that reads the same fused states beside the post-norm one (draft.EagleHead's taps).
 import dataclasses
 import importlib.util
 import json
@@ -207,6 +208,48 @@ def test_compiled_eagle3_cycle_matches_eager(tiny, tiny_args):
     with torch._dynamo.config.patch(error_on_recompile=True):
         other = tiny.prompt[:7]
         assert compiled.generate(other, 24, GREEDY).token_ids == Generator(tiny.target).generate(other, 24, GREEDY).token_ids
+
+
+# ---------------------------------------------------------------- an EAGLE-1/2 head that reads the fused states too
+
+def random_fused_head(args, seed: int) -> draft.EagleHead:
+    """An EAGLE-1/2 head that also reads the states entering the official EAGLE-3 layers at the first draft level."""
+    head = draft.EagleHead(dataclasses.replace(args, n_layer=1), taps=(args.n_layer, *eagle3_taps(args.n_layer)))
+    g = torch.Generator().manual_seed(seed)
+    with torch.no_grad():
+        for p in head.parameters():
+            p.copy_(torch.randn(p.shape, generator=g) * 0.1 + (1.0 if p.dim() == 1 else 0.0))  # norms near 1
+    return head.eval()
+
+
+@pytest.mark.parametrize("name", SPECS)
+def test_greedy_with_fused_input_head_reproduces_vanilla(tiny, name):
+    head = random_fused_head(tiny.target.args, seed=3)
+    result = Generator(tiny.target, SPECS[name], head=head).generate(tiny.prompt, NEW_TOKENS, GREEDY)
+    assert result.token_ids == tiny.ref and sum(result.accept_hist[1:]) > 0
+    assert tiny.target.taps == (4, 2, 2, 1)  # the verify handed over the post-norm and the fused states
+
+
+def test_compiled_fused_input_cycle_matches_eager(tiny):
+    import torch._dynamo
+
+    head, spec = random_fused_head(tiny.target.args, seed=3), TreeSpec("eagle2", 3, 4, 8)
+    eager = Generator(tiny.target, spec, head=head).generate(tiny.prompt, 24, GREEDY)
+    torch._dynamo.reset()
+    compiled = Generator(tiny.target, spec, head=head, compile=True).generate(tiny.prompt, 24, GREEDY)
+    assert compiled.token_ids == eager.token_ids == tiny.ref[:24] and compiled.accept_hist == eager.accept_hist
+
+
+def test_fused_input_head_saves_loads_and_must_fit(tiny, tmp_path):
+    head = random_fused_head(tiny.target.args, seed=3)
+    weights.save_head(head, tmp_path / "head")
+    loaded = weights.load_head(tmp_path / "head", tiny.target.args)
+    assert loaded.kind == "eagle" and loaded.taps == (4, 2, 2, 1)
+    assert all(torch.equal(a, b) for a, b in zip(head.state_dict().values(), loaded.state_dict().values()))
+    cfg = json.loads((tmp_path / "head" / "config.json").read_text())
+    (tmp_path / "head" / "config.json").write_text(json.dumps(cfg | {"taps": [3, 2, 2, 1]}))  # not the post-norm state first
+    with pytest.raises(ValueError, match=r"taps \[3, 2, 2, 1\] do not fit the target's 4 layers"):
+        weights.load_head(tmp_path / "head", tiny.target.args)
 
 
 @pytest.fixture(scope="module")

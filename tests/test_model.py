@@ -30,6 +30,10 @@ def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
     assert torch.allclose(fused, torch.cat([entering[2], entering[3], entering[3]], -1), atol=1e-6)
     assert eagle3_taps(30) == (2, 15, 27)
 
+    model.taps = (6, 2)  # tap n_layer: the post-norm state, as an EAGLE-1/2 head with fused inputs reads it first
+    _, both = model(idx, pos, pos, causal_mask(pos, 32))
+    assert torch.equal(both[..., :64], h) and torch.allclose(both[..., 64:], entering[2], atol=1e-6)
+
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rope_rotates_each_pair_by_its_angle(dtype):

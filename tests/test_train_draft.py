@@ -258,23 +258,60 @@ def test_token_table_starts_as_its_init_learns_and_drafts(trained, tmp_path):
     seen = {t for c in convs for t in c["tokens"][c["prompt_len"]:-1] if t in vocab}  # each read by a counted slot
     rows = head.token_row[torch.tensor(sorted(seen))].long()
     assert head.token_table[rows].abs().sum(-1).min() > 0  # every draft token of the answers has learned a row
-    prompt = encode_prompt(tok, target.args, [{"role": "user", "content": "Explain"}], chat=True)
-    vanilla = Generator(target).generate(prompt, 32, Sampling()).token_ids
-
-    def drafts(head):
-        trees = []
-        result = Generator(target, SPEC, head=head).generate(prompt, 32, Sampling(), lap=lambda name, **t: name == "accept" and trees.append(t["tokens"]))
-        assert result.token_ids == vanilla
-        return torch.stack(trees)
-
-    with_table = drafts(head)
+    with_table = drafted_trees(target, tok, head)
     with torch.no_grad():
         head.token_table.mul_(1000)  # the cycle reads the table: scaled, it drafts other trees
-    assert not torch.equal(drafts(head), with_table)
+    assert not torch.equal(drafted_trees(target, tok, head), with_table)
+
+
+def drafted_trees(target, tok, head) -> torch.Tensor:
+    """The trees a head drafts answering one prompt greedily, the answer checked against vanilla's."""
+    prompt = encode_prompt(tok, target.args, [{"role": "user", "content": "Explain"}], chat=True)
+    trees = []
+    result = Generator(target, SPEC, head=head).generate(prompt, 32, Sampling(), lap=lambda name, **t: name == "accept" and trees.append(t["tokens"]))
+    assert result.token_ids == Generator(target).generate(prompt, 32, Sampling()).token_ids
+    return torch.stack(trees)
+
+
+def test_fused_input_starts_as_its_init_learns_and_serves_as_trained(trained, tmp_path):
+    ckpt, out, _, _ = trained
+    common = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--train-only", *TRAIN_ARGS, "--epochs", "1", "--lr", "1e-3"]
+    assert train_draft.main([*common, "--init", str(out / "head"), "--out", str(tmp_path / "same")]) == 0
+    assert train_draft.main([*common, "--init", str(out / "head"), "--out", str(tmp_path / "fused"), "--fused-input"]) == 0
+    first = [json.loads((tmp_path / run / "train_log.jsonl").read_text().splitlines()[0]) for run in ("same", "fused")]
+    assert first[1]["loss"] == pytest.approx(first[0]["loss"], rel=1e-5)  # fuse starts at zero
+    target, tok = load_model(ckpt), load_tokenizer(ckpt)
+    head = load_head(tmp_path / "fused" / "head", target.args)
+    assert head.taps == (2, 1, 1, 0) and head.fuse.weight.abs().sum() > 0
+    # the served head reads the target's states as they come: fused_scale is folded into fuse
+    state = torch.load(tmp_path / "fused" / "train_state.pt", weights_only=True)
+    trainee = EagleHead(head.args, draft_vocab_size=len(head.draft_vocab), taps=head.taps)
+    trainee.load_state_dict(state["head"])
+    target.taps = head.taps
+    target.setup_caches(32)
+    tokens = torch.tensor([json.loads((out / "conversations.jsonl").read_text().splitlines()[0])["tokens"][:20]])
+    pos = torch.arange(20)
+    _, states = target(tokens, pos, pos, torch.ones(20, 20, dtype=torch.bool).tril())
+    scaled = torch.cat([states[..., :64], states[..., 64:] * state["fc_scale"]], -1)
+    for h in (head, trainee):
+        h.setup_caches(32)
+        for layer in h.layers:
+            layer.attention.kv_cache = None
+    emb = target.tok_embeddings.weight
+    torch.testing.assert_close(head(tokens, emb, states, pos, None, None), trainee(tokens, emb, scaled, pos, None, None), atol=1e-4, rtol=1e-4)
+    # a fused head as --init: the folded scale is taken out again, so a run that learns nothing serves the same head
+    assert train_draft.main([*common, "--init", str(tmp_path / "fused" / "head"), "--init-vocab", "--fused-input", "--lr", "1e-12",
+                             "--out", str(tmp_path / "again")]) == 0
+    again = load_head(tmp_path / "again" / "head", target.args)
+    torch.testing.assert_close(again.fuse.weight, head.fuse.weight, atol=1e-6, rtol=1e-4)
+    with_fuse = drafted_trees(target, tok, head)
+    with torch.no_grad():
+        head.fuse.weight.mul_(1000)  # the cycle reads the fused states: scaled, it drafts other trees
+    assert not torch.equal(drafted_trees(target, tok, head), with_fuse)
 
 
 @pytest.mark.parametrize("flags", [["--freeze-init"], ["--init-vocab"], ["--head-layers", "2", "--arch", "eagle3"], ["--head-layers", "0"],
-                                   ["--token-table", "--arch", "eagle3"]])
+                                   ["--token-table", "--arch", "eagle3"], ["--fused-input", "--arch", "eagle3"]])
 def test_misused_head_flags_are_one_line_exit_2(trained, tmp_path, capsys, flags):
     ckpt, out, _, _ = trained
     argv = ["--checkpoint", str(ckpt), "--data-dir", str(out), "--out", str(tmp_path), "--train-only", *TRAIN_ARGS, *flags]

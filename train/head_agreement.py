@@ -32,7 +32,7 @@ from weights import load_head  # noqa: E402
 
 @torch.no_grad()
 def agreement(head, target, answers: list, steps: int, k: int = 10) -> dict:
-    """answers: (tokens, prompt_len, hidden, fused) per turn; an EAGLE-3 head reads the fused states at step 0."""
+    """answers: (tokens, prompt_len, hidden, fused) per turn; a head with taps reads the target's states at them at step 0."""
     lm = target.output.weight.float()
     vocab = head.draft_vocab if len(head.draft_vocab) else torch.arange(len(lm))
     in_vocab = torch.zeros(len(lm), dtype=torch.bool).index_fill_(0, vocab, True)
@@ -85,7 +85,7 @@ def sampled_agreement(head, target, answers: list, steps: int, ks=(1, 4, 10), dr
 
 
 def load_heads(specs: list, target) -> dict:
-    """Every head, loaded before the answers' minutes are spent; sets target.taps to the layers the EAGLE-3 ones read."""
+    """Every head, loaded before the answers' minutes are spent; sets target.taps to the layers the tapped ones read."""
     heads = {}
     for spec in specs:
         path, _, size = spec.partition(":")
@@ -93,9 +93,9 @@ def load_heads(specs: list, target) -> dict:
             heads[spec] = use_draft_vocab(load_head(path, target.args), target.output, int(size) if size else None)
         except (ValueError, OSError) as e:  # e.g. :N on an EAGLE-3 head, which drafts over its own vocabulary
             raise UsageError(f"{spec}: {e}") from None
-    taps = {head.taps for head in heads.values() if head.taps}  # an EAGLE-3 head's layers, from its config or the official ones
+    taps = {head.taps for head in heads.values() if head.taps}  # from a head's config (an EAGLE-3 head's: or the official ones)
     if len(taps) > 1:
-        raise UsageError(f"the EAGLE-3 heads read different target layers ({sorted(taps)}): compare them in separate runs")
+        raise UsageError(f"the heads read different target layers ({sorted(taps)}): compare them in separate runs")
     target.taps = taps.pop() if taps else ()  # the fused states are kept only when a head reads them
     return heads
 

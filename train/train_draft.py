@@ -9,7 +9,8 @@
 #              counted where x_{j+1} is an answer token. Embedding and LM head are the target's, frozen.
 #              With --ttt-steps above 1, the same training-time test as eagle3 (below): step i reads the head's own
 #              step i-1 prediction as f and predicts f_{j+1+i}, its loss weighted decay^i (HASS's harmonised
-#              context: what a draft node at depth i+1 reads at inference).
+#              context: what a draft node at depth i+1 reads at inference). With --fused-input, step 0 also reads
+#              fused_j (below) through the head's own projection, added to fc's output (draft.EagleHead's taps).
 #   eagle3     training-time test: step 0, slot j reads (emb(x_{j+1}), fused_j); step i reads (emb(x_{j+1+i}), the
 #              head's own step i-1 output) at RoPE position j+i, attending to step 0's keys up to slot j and its
 #              own slot's keys of steps 1..i. Loss = sum_i decay^i CE(target distribution over the draft vocabulary
@@ -74,6 +75,7 @@ class TrainConfig(DataConfig):  # the data fields (requests, answers, features) 
     arch: str = "eagle"  # eagle (EAGLE-1/2) | eagle3
     head_layers: int = 1  # decoder layers of an EAGLE-1/2 head (the official heads have one)
     token_table: bool = False  # an EAGLE-1/2 head learns an input vector per draft-vocabulary token (draft.EagleHead)
+    fused_input: bool = False  # an EAGLE-1/2 head also reads EAGLE-3's fused states where the target's enter (draft.EagleHead)
     table_lr_scale: float = 10.0  # the token table's learning rate over --lr
     ttt_steps: int = 0  # draft steps unrolled in training (0: the arch's default, eagle 1, eagle3 7; 1: no training-time test)
     ttt_decay: float = 0.8  # step i's loss weight is decay^i
@@ -81,6 +83,9 @@ class TrainConfig(DataConfig):  # the data fields (requests, answers, features) 
 
 
 # ---------------------------------------------------------------- training
+
+FUSE_LR_SCALE = 4.0  # the fused input's learning rate over --lr (16x pulled a trained head's first level down)
+
 
 def count_draft_vocab(convs: list, size: int, vocab_size: int) -> Tensor:
     """`size` token ids: the answers' tokens, most frequent first, then unseen ids in ascending order (BPE
@@ -91,7 +96,8 @@ def count_draft_vocab(convs: list, size: int, vocab_size: int) -> Tensor:
     return torch.tensor((seen + [t for _, t in zip(range(size - len(seen)), unseen)])[:size], dtype=torch.long)
 
 
-def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle", layers: int = 1, token_table: bool = False):
+def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str = "eagle", layers: int = 1, token_table: bool = False,
+             fused: bool = False):
     device, args = target.tok_embeddings.weight.device, replace(target.args, n_layer=layers if arch == "eagle" else 1)
     if arch == "eagle3":
         draft_vocab = draft_vocab if len(draft_vocab) else torch.arange(target.args.vocab_size)
@@ -100,10 +106,13 @@ def new_head(target: Transformer, max_len: int, draft_vocab: Tensor, arch: str =
             head.norm.weight.copy_(target.norm.weight)
             head.lm_head.weight.copy_(target.output.weight[draft_vocab.to(device)])
     else:
-        head = EagleHead(args, fc_bias=True, draft_vocab_size=len(draft_vocab), token_table=token_table).to(device)
+        taps = (target.args.n_layer, *eagle3_taps(target.args.n_layer)) if fused else ()
+        head = EagleHead(args, fc_bias=True, draft_vocab_size=len(draft_vocab), token_table=token_table, taps=taps).to(device)
         if token_table and len(draft_vocab):
             head.token_row[draft_vocab.to(device)] = torch.arange(len(draft_vocab), dtype=torch.int32, device=device)
         with torch.no_grad():  # layers past the first start as the identity, so an --init head keeps its drafts
+            if fused:  # and so does an --init head without the fused input
+                head.fuse.weight.zero_()
             for layer in head.layers[1:]:
                 layer.attention.wo.weight.zero_()
                 layer.feed_forward.w2.weight.zero_()
@@ -126,15 +135,18 @@ def make_batch(data: list, idx: list) -> tuple:
     return tokens, hidden, fused, lengths, prompt_lens, keep
 
 
-def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, **_):
+def head_loss(head: EagleHead, embed: Tensor, lm_head: Tensor, batch: tuple, cfg: TrainConfig, fc_scale=None):
     """-> (loss, stats: step 0's regression and classification loss, per-step top-1 agreement with the target's
-    argmax; tokens counted at step 0). One step unless cfg.ttt_steps asks for more (see the top of the file)."""
-    tokens, feats, _, lengths, prompt_lens, _ = batch
+    argmax; tokens counted at step 0). One step unless cfg.ttt_steps asks for more (see the top of the file).
+    fc_scale: fused_scale's, for a head with taps (the fused states its fuse reads at step 0)."""
+    tokens, feats, fused, lengths, prompt_lens, _ = batch
     steps, T = ttt_steps(cfg), tokens.shape[1] - 1
     tokens = F.pad(tokens, (0, steps - 1))
     after = F.pad(feats[:, 1:].float(), (0, 0, 0, steps - 1))  # the target state step i at slot j predicts: after[:, j+i]
     feat_in = feats[:, :-1].float()
     feat_in = feat_in + (torch.rand_like(feat_in) * 2 - 1) * cfg.noise
+    if head.taps:
+        feat_in = torch.cat([feat_in, fused[:, :-1].float() * fc_scale], dim=-1)
     answer, row, target_all, best = answer_targets(after, prompt_lens, lengths, lm_head)
     loss, stats, counted0 = 0.0, {"acc_steps": []}, 0
     for i, h in enumerate(unrolled_steps(head, embed, tokens, feat_in, steps)):
@@ -294,12 +306,18 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * min((step + 1) / warm, (total - step) / max(1, total - warm))
 
 
+def fused_input(head) -> torch.nn.Linear:
+    """The projection that reads the fused states: an EAGLE-3 head's fc, an EAGLE-1/2 head's fuse."""
+    return head.fc if head.kind == "eagle3" else head.fuse
+
+
 def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
-    """The head as it serves (fc_scale folded into fc) in out/head, and the training state to resume from."""
+    """The head as it serves (fc_scale folded into the projection that reads the fused states) in out/head, and the
+    training state to resume from."""
     served = head
     if fc_scale is not None:
         served = copy.deepcopy(head)
-        served.fc.weight.data.mul_(fc_scale.to(served.fc.weight.dtype)[None])
+        fused_input(served).weight.data.mul_(fc_scale.to(served.fc.weight.dtype)[None])
     save_head(served, out / "head")
     tmp = out / "train_state.pt.tmp"
     torch.save({"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "fc_scale": fc_scale}, tmp)
@@ -308,8 +326,9 @@ def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
 
 def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor, deadline: float) -> int:
     """Returns the step reached. Appends one line per step to --out/train_log.jsonl. data: records
-    {tokens, prompt_len, hidden, fused (eagle3)}, as distill.load_records returns them."""
-    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch, cfg.head_layers, cfg.token_table)
+    {tokens, prompt_len, hidden, fused (eagle3, --fused-input)}, as distill.load_records returns them."""
+    head = new_head(target, max(len(d["tokens"]) for d in data) + ttt_steps(cfg), draft_vocab, cfg.arch, cfg.head_layers, cfg.token_table,
+                    cfg.fused_input)
     device = target.tok_embeddings.weight.device
     own = head.state_dict()
     weights = load_head(cfg.init, target.args, device).state_dict() if cfg.init else {}
@@ -320,10 +339,13 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         for name, p in head.named_parameters():
             p.requires_grad_(name not in weights)
     table = [p for p in [head.token_table] if p is not None and p.requires_grad]
-    rest = [p for p in head.parameters() if p.requires_grad and p is not head.token_table]
+    fuse = [p for p in head.fuse.parameters() if p.requires_grad] if getattr(head, "fuse", None) is not None else []
+    rest = [p for p in head.parameters() if p.requires_grad and p is not head.token_table and not any(p is f for f in fuse)]
     # A table row learns only when its token comes up: a rare token's row sees few steps, so the table runs faster.
-    opt = torch.optim.AdamW([{"params": rest}] + [{"params": table}] * bool(table), lr=cfg.lr, betas=(0.9, 0.95))
-    lr_scales = (1.0, cfg.table_lr_scale)  # by group, from the flags: a resumed run may change the table's
+    # fuse starts at zero beside a trained head: at FUSE_LR_SCALE it catches up without pulling the rest away.
+    groups = [(rest, 1.0)] + [(table, cfg.table_lr_scale)] * bool(table) + [(fuse, FUSE_LR_SCALE)] * bool(fuse)
+    opt = torch.optim.AdamW([{"params": g} for g, _ in groups], lr=cfg.lr, betas=(0.9, 0.95))
+    lr_scales = [scale for _, scale in groups]  # by group, from the flags: a resumed run may change the table's
     step, state_path = 0, cfg.out / "train_state.pt"
     state = {}
     if cfg.resume:
@@ -343,10 +365,10 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
         if (cfg.out / "train_log.jsonl").exists():
             (cfg.out / "train_log.jsonl").unlink()
     fc_scale = state.get("fc_scale") if cfg.resume else None
-    if cfg.arch == "eagle3" and fc_scale is None:
+    if (cfg.arch == "eagle3" or cfg.fused_input) and fc_scale is None:
         fc_scale = fused_scale(data).to(target.tok_embeddings.weight.device)
-        if cfg.init:  # the saved fc has a scale folded in; training multiplies the input by this one
-            head.fc.weight.data.div_(fc_scale[None])
+        if cfg.init and fused_input(head).weight.any():  # the saved weight has a scale folded in; training multiplies the input by this one
+            fused_input(head).weight.data.div_(fc_scale[None])
     bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
     # Under autocast the frozen LM heads are cast to bf16 once here: autocast casts a tensor that is not a parameter
     # at every matmul (cache_keep's 49152-row LM head for every chunk of rows, the draft rows at every unrolled step).
@@ -428,6 +450,7 @@ HELP = {
     "head_layers": "decoder layers of an EAGLE-1/2 head (official: 1; each costs a decoder layer per draft level)",
     "token_table": "give an EAGLE-1/2 head a learned input vector per draft-vocabulary token (a lookup: no draft time)",
     "table_lr_scale": "the token table's learning rate as a multiple of --lr",
+    "fused_input": "an EAGLE-1/2 head also reads EAGLE-3's fused states (the target's layers 2, L//2, L-3) at the first draft level",
     "ttt_steps": "draft steps unrolled in training (training-time test; default eagle 1, eagle3 7 as the official code)",
     "ttt_decay": "loss weight decay per unrolled step (official 0.8)",
     "autocast": "bf16 autocast (auto: where bf16 matmul is native)",
@@ -460,8 +483,8 @@ def check_config(cfg: TrainConfig):
         raise UsageError("--epochs must be a finite number > 0")
     if (cfg.freeze_init or cfg.init_vocab) and not cfg.init:
         raise UsageError("--freeze-init and --init-vocab need --init")
-    if (cfg.head_layers != 1 or cfg.token_table) and cfg.arch != "eagle":
-        raise UsageError("--head-layers and --token-table are for EAGLE-1/2 heads (--arch eagle)")
+    if (cfg.head_layers != 1 or cfg.token_table or cfg.fused_input) and cfg.arch != "eagle":
+        raise UsageError("--head-layers, --token-table and --fused-input are for EAGLE-1/2 heads (--arch eagle)")
     if cfg.ttt_steps < 0:
         raise UsageError("--ttt-steps must be >= 1 (0: the arch's default)")
     if cfg.holdout is not None and not cfg.holdout.exists():
@@ -524,7 +547,7 @@ def run(cfg: TrainConfig) -> int:
         draft_vocab = count_draft_vocab(convs, cfg.draft_vocab, target.args.vocab_size)
     else:
         draft_vocab = torch.zeros(0, dtype=torch.long)
-    keys = ("hidden", "fused") if cfg.arch == "eagle3" else ("hidden",)
+    keys = ("hidden", "fused") if cfg.arch == "eagle3" or cfg.fused_input else ("hidden",)
     train(cfg, target, [r for d in dirs for r in distill.load_records(d, keys)], draft_vocab, deadline)
     print(f"wrote {cfg.out / 'head'}", file=sys.stderr)
     return 0
