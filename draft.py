@@ -1,9 +1,8 @@
 # The draft heads. EAGLE-1/2 (kind "eagle"): fc over [token embedding; target feature], then one decoder
-# layer without the input norm (config n_layer; the official heads have one, further layers have the norm, as
-# in the official code); no embedding, final norm or LM head of its own: the caller embeds tokens
-# and reads logits with the target's tensors, so they are shared, never copied. With taps (this project's
-# extension), where the target's feature enters (the first draft level) the head also reads EAGLE-3's fused states
-# through `fuse`, added to fc's output.
+# layer without the input norm (config n_layer; the official heads have one, further layers have the norm, as in the
+# official code); no embedding, final norm or LM head of its own: the caller embeds tokens and reads logits with the
+# target's tensors, so they are shared, never copied. With taps (this project's extension), where the target's feature
+# enters (the first draft level) the head also reads EAGLE-3's fused states through `fuse`, added to fc's output.
 # EAGLE-3 (kind "eagle3"): fc maps the target's fused features (the states entering three layers, 3*dim)
 # to dim; one decoder layer whose attention reads [norm(token embedding); norm(h)] (2*dim) with the
 # residual on h; its own final norm and LM head over a draft vocabulary. Deeper draft levels feed the
@@ -18,16 +17,15 @@ from model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, Transform
 
 
 class DraftHead(nn.Module):
-    """What the speculative cycle needs of any head: caches, logits over the draft vocabulary, and the
-    map from draft ids to target ids."""
+    """What the speculative cycle needs of any head: caches, logits over the draft vocabulary, the map to target ids."""
 
     kind = ""
 
-    def __init__(self, args: ModelArgs, draft_vocab_size: int):
+    def __init__(self, args: ModelArgs, draft_vocab_size: int, taps: tuple = ()):
         super().__init__()
         self.args = args
         self.max_seq_length = 0
-        self.taps = ()  # EAGLE-3: the target layers whose inputs the head reads (target.taps)
+        self.taps = tuple(taps)  # the target layers whose entering states the head reads (target.taps; n_layer: the post-norm one)
         self.token_table = None
         # Target ids the head may propose (empty: all). Each draft level reads its LM head: 16k of 49k rows, a third
         self.register_buffer("draft_vocab", torch.zeros(draft_vocab_size, dtype=torch.long, device="cpu"),
@@ -58,11 +56,8 @@ class EagleHead(DraftHead):
     kind = "eagle"
 
     def __init__(self, args: ModelArgs, fc_bias: bool = True, draft_vocab_size: int = 0, token_table: bool = False, taps: tuple = ()):
-        super().__init__(args, draft_vocab_size)
+        super().__init__(args, draft_vocab_size, taps)  # taps: (n_layer, then the layers fuse reads) or none
         self.fc = nn.Linear(2 * args.dim, args.dim, bias=fc_bias)
-        # taps: (the target's n_layer, its post-norm state, then the layers whose entering states fuse reads), or none.
-        # The low and middle layers still hold what the last one has narrowed down to a prediction (docs/training.md).
-        self.taps = tuple(taps)
         self.fuse = nn.Linear((len(taps) - 1) * args.dim, args.dim, bias=False) if taps else None
         # A learned input row per draft-vocabulary token (the last: every other one), added to its embedding: what follows
         # a token ("trud": "ged") is lexical knowledge one layer over a frozen embedding learns slowly. A lookup: no draft time.
@@ -80,16 +75,12 @@ class EagleHead(DraftHead):
         return target_output(h) if self.lm_head is None else self.lm_head(h)
 
     def forward(self, tokens: Tensor, embedding: Tensor, feature: Tensor, input_pos, cache_pos, mask, attention=None) -> Tensor:
-        """tokens [B, T] (target ids; embedding: the target's weight), feature [B, T, dim] (or, with taps, the target's
-        [B, T, len(taps) * dim]) -> predicted next features [B, T, dim] (pre LM head, no norm). attention: one per
-        layer, or None (see Eagle3Block)."""
+        """tokens [B, T] (target ids; embedding: the target's weight), feature [B, T, dim] (with taps, the target's: len(taps)
+        * dim) -> predicted next features [B, T, dim] (pre LM head, no norm). attention: one per layer, or None (Eagle3Block)."""
         emb = self.embed(tokens, embedding)
-        feature = feature.to(emb.dtype)
-        fused = None
-        if feature.shape[-1] != self.args.dim:  # static: the target's states (taps), not the head's own one level up
-            feature, fused = feature.split([self.args.dim, feature.shape[-1] - self.args.dim], dim=-1)
+        feature, fused = feature.to(emb.dtype).split([self.args.dim, feature.shape[-1] - self.args.dim], dim=-1)
         x = self.fc(torch.cat([emb, feature], dim=-1))
-        if fused is not None:
+        if fused.shape[-1]:  # static: the target's states with taps, not the head's own output one level up
             x = x + self.fuse(fused)
         rope = rope_at(self.rope, input_pos, x.shape[0])
         for i, layer in enumerate(self.layers):
@@ -119,8 +110,7 @@ class Eagle3Head(DraftHead):
     kind = "eagle3"
 
     def __init__(self, args: ModelArgs, draft_vocab_size: int, taps: tuple):
-        super().__init__(args, draft_vocab_size)
-        self.taps = tuple(taps)  # empty until known: load_head fills in the official layers of the target
+        super().__init__(args, draft_vocab_size, taps)  # empty until known: load_head fills in the official layers of the target
         self.fc = nn.Linear(3 * args.dim, args.dim, bias=False)
         self.layers = nn.ModuleList([Eagle3Block(args)])
         self.norm = RMSNorm(args.dim, args.norm_eps)

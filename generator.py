@@ -97,12 +97,9 @@ class Generator:
         self.device = target.tok_embeddings.weight.device
         if head is not None and len(head.draft_vocab) and head.lm_head is None:
             use_draft_vocab(head, target.output)  # a head loaded with load_head alone drafts over its vocabulary too
-        # A head with taps (EAGLE-3, or EAGLE-1/2 with the fused input) reads the states entering those layers, handed over
-        # by the prefill and verify passes (target.taps)
-        self.taps = head.taps if head is not None else ()
-        target.taps = self.taps
-        feat_dim = target.args.dim * (len(self.taps) or 1)
-        self.state = SpecState(spec, feat_dim, self.device) if spec else None
+        # A head with taps (EAGLE-3, EAGLE-1/2 with fused input) reads the states entering them, from prefill and verify
+        self.taps = target.taps = head.taps if head is not None else ()
+        self.state = SpecState(spec, target.args.dim * (len(self.taps) or 1), self.device) if spec else None
         self.prefill, self.decode_one = prefill, decode_one
         self.cycle = self.eager_cycle = {"sps": sps_cycle, "lookup": lookup_cycle}.get(spec.mode, tree_cycle) if spec else None
         self.plain_cycle = lookup_step

@@ -1,8 +1,7 @@
-# The LLaMA Transformer with a static KV cache.
-# forward() takes the RoPE positions, the KV slots and the attention mask apart, because a draft tree
-# needs them apart: a tree node's slot is L + node, its position is L + depth, its mask row its ancestors.
-# Plain torch throughout: a backend may replace the nn.Linear layers in place (ops.prepare; cpu/linears.py packs them
-# for its kernels) and serves attention over few queries through ops.attend.
+# The LLaMA Transformer with a static KV cache. forward() takes the RoPE positions, the KV slots and the attention mask
+# apart, because a draft tree needs them apart: a tree node's slot is L + node, its position is L + depth, its mask row
+# its ancestors. Plain torch throughout: a backend may replace the nn.Linear layers in place (ops.prepare;
+# cpu/linears.py packs them for its kernels) and serves attention over few queries through ops.attend.
 import json
 import math
 from dataclasses import asdict, dataclass, field, fields
@@ -266,9 +265,8 @@ class Transformer(nn.Module):
 
     def hidden(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor, run_layer=None) -> tuple:
         """-> (post-norm hidden states, what the LM head reads; draft features, what a draft head reads). Draft features
-        are the post-norm states themselves (EAGLE-1/2), or with self.taps set (EAGLE-3) the hidden states entering those
-        layers, concatenated [B, T, len(taps) * dim]: taken from the forward that runs anyway, never from an extra pass.
-        Tap n_layer is the post-norm state itself (an EAGLE-1/2 head that reads the fused states too: draft.EagleHead).
+        are the post-norm states themselves (EAGLE-1/2), or with self.taps set the hidden states entering those layers (tap
+        n_layer: the post-norm state), concatenated [B, T, len(taps) * dim], taken from the forward that runs anyway.
         idx [B, T] tokens; input_pos [T] or [B, T] RoPE positions; cache_pos [T] KV slots; mask [T, S] or [B, T, S]
         bool over the first S cache slots (True = may attend; live_width). cache_pos None (a tree verify, setup_tree):
         the cache is read, not written; the mask covers its first S - T slots and then these T tokens, whose K/V wait

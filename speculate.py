@@ -80,7 +80,7 @@ class SpecState(nn.Module):
 
     L: committed tokens with target KV. root: the last committed token, in no cache yet.
     pend_*: the (feature, next token) pairs the draft has not read yet; n_pend of depth+1 rows are real;
-    a feature is what target() returns beside the logits (dim wide, or taps * dim for EAGLE-3 heads).
+    a feature is what target() returns beside the logits (dim wide, or taps * dim for a head with taps).
     prev: the token before root (sps: the draft model rereads it).
     history (lookup, lookup slots): every committed token at [0, L], root included; reserve() sizes it."""
 
