@@ -306,9 +306,9 @@ def lr_at(step: int, cfg: TrainConfig, total: int) -> float:
     return cfg.lr * min((step + 1) / warm, (total - step) / max(1, total - warm))
 
 
-def fused_input(head) -> torch.nn.Linear:
-    """The projection that reads the fused states: an EAGLE-3 head's fc, an EAGLE-1/2 head's fuse."""
-    return head.fc if head.kind == "eagle3" else head.fuse
+def fused_input(head) -> str:
+    """The name of the projection that reads the fused states: an EAGLE-3 head's fc, an EAGLE-1/2 head's fuse."""
+    return "fc" if head.kind == "eagle3" else "fuse"
 
 
 def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
@@ -317,7 +317,8 @@ def save_state(out: Path, head: EagleHead, opt, step: int, fc_scale=None):
     served = head
     if fc_scale is not None:
         served = copy.deepcopy(head)
-        fused_input(served).weight.data.mul_(fc_scale.to(served.fc.weight.dtype)[None])
+        weight = getattr(served, fused_input(served)).weight
+        weight.data.mul_(fc_scale.to(weight.dtype)[None])
     save_head(served, out / "head")
     tmp = out / "train_state.pt.tmp"
     torch.save({"step": step, "head": head.state_dict(), "optimizer": opt.state_dict(), "fc_scale": fc_scale}, tmp)
@@ -367,8 +368,8 @@ def train(cfg: TrainConfig, target: Transformer, data: list, draft_vocab: Tensor
     fc_scale = state.get("fc_scale") if cfg.resume else None
     if (cfg.arch == "eagle3" or cfg.fused_input) and fc_scale is None:
         fc_scale = fused_scale(data).to(target.tok_embeddings.weight.device)
-        if cfg.init and fused_input(head).weight.any():  # the saved weight has a scale folded in; training multiplies the input by this one
-            fused_input(head).weight.data.div_(fc_scale[None])
+        if f"{fused_input(head)}.weight" in weights:  # the init's has a scale folded in; training multiplies the input by this one
+            getattr(head, fused_input(head)).weight.data.div_(fc_scale[None])
     bf16 = cfg.autocast == "on" or (cfg.autocast == "auto" and dtypes.native_bf16(device))
     # Under autocast the frozen LM heads are cast to bf16 once here: autocast casts a tensor that is not a parameter
     # at every matmul (cache_keep's 49152-row LM head for every chunk of rows, the draft rows at every unrolled step).
