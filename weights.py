@@ -76,14 +76,15 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
     except (ValueError, TypeError, AttributeError, KeyError) as e:
         raise ValueError(f"{cfg_path}: {one_line(e)}") from None
     check_head_fits(args, target_args)
-    if kind == "eagle3":
-        taps = tuple(cfg.get("taps") or eagle3_taps(target_args.n_layer))  # converted without a target: the official layers
-        if not (len(taps) == 3 and all(0 <= t < target_args.n_layer for t in taps)):
-            raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
+    n_layer = target_args.n_layer
+    if kind == "eagle3":  # converted without a target: the official layers
+        taps = tuple(cfg.get("taps") or eagle3_taps(n_layer))
+        fits = len(taps) == 3 and all(0 <= t < n_layer for t in taps)
     else:  # the post-norm state (tap n_layer) first, then the layers whose entering states the head fuses, if any
         taps = tuple(cfg.get("taps") or ())
-        if taps and not (len(taps) > 1 and taps[0] == target_args.n_layer and all(0 <= t < target_args.n_layer for t in taps[1:])):
-            raise ValueError(f"draft head taps {list(taps)} do not fit the target's {target_args.n_layer} layers")
+        fits = not taps or (len(taps) > 1 and taps[0] == n_layer and all(0 <= t < n_layer for t in taps[1:]))
+    if not fits:
+        raise ValueError(f"draft head taps {list(taps)} do not fit the target's {n_layer} layers")
     files = sorted(path.glob("*.safetensors"))
     if not files:
         raise FileNotFoundError(f"draft head {path} has no .safetensors weights")
