@@ -77,8 +77,8 @@ def load_head(path, target_args: ModelArgs, device="cpu", dtype=torch.float32) -
         raise ValueError(f"{cfg_path}: {one_line(e)}") from None
     check_head_fits(args, target_args)
     n_layer = target_args.n_layer
-    if kind == "eagle3":  # converted without a target: the official layers
-        taps = tuple(cfg.get("taps") or eagle3_taps(n_layer))
+    if kind == "eagle3":
+        taps = tuple(cfg.get("taps") or eagle3_taps(n_layer))  # converted without a target: the official layers
         fits = len(taps) == 3 and all(0 <= t < n_layer for t in taps)
     else:  # the post-norm state (tap n_layer) first, then the layers whose entering states the head fuses, if any
         taps = tuple(cfg.get("taps") or ())
