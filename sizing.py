@@ -353,11 +353,11 @@ def head_digest(head) -> str:
     return weights.digest(sorted(head.state_dict().items()))
 
 
-def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False):
+def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = False, disturbed=None):
     """bench.py --sweep's measured winner, which then replaces the cost model's choice (for sampling if it sampled)
-    while the head is the one it ran with."""
+    while the head is the one it ran with; not kept if other work took the machine while it was timed (disturbed)."""
     key = cache_key(target, head, compiled)
-    cachedir.store(CACHE, key, cachedir.read(CACHE).get(key, {}) | {swept_key(sampling, head): list(best)})
+    cachedir.store(CACHE, key, cachedir.read(CACHE).get(key, {}) | {swept_key(sampling, head): list(best)}, disturbed)
 
 
 def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1,

@@ -106,6 +106,9 @@ def test_measure_tree_times_once_then_reads_the_cache(tmp_path, monkeypatch, tin
     monkeypatch.setattr(sizing, "measure_costs", lambda *a: pytest.fail("measured twice"))
     assert sizing.measure_tree(target, head, log=logs.append)[:3] == first
     assert sizing.measure_tree(target, head, depth=2)[1] == 2
+    other = (4, 2, 4) if first != (4, 2, 4) else (2, 2, 4)
+    sizing.record_sweep(target, head, other, disturbed="another process took a core")  # timed beside other work: not kept
+    assert sizing.measure_tree(target, head)[:3] == first
     sizing.record_sweep(target, head, (4, 2, 4))
     assert sizing.measure_tree(target, head)[:3] == (4, 2, 4)
     assert sizing.measure_tree(target, head, sampling=True)[:3] != (2, 2, 10)
