@@ -41,3 +41,26 @@ def test_cpu_choice_is_measured_once_then_cached(cache, monkeypatch, fp32_ms, bf
 def test_measurement_times_both_dtypes():
     ms = dtypes.measure_cpu()
     assert set(ms) == {"float32_ms", "bfloat16_ms"} and all(v > 0 for v in ms.values())
+
+
+def _slow_then_fast(monkeypatch):
+    """_linear_ms as a shared host gives it: a slowed first round (bf16 ahead by less than MIN_GAIN), then the
+    machine's real speeds."""
+    rounds = iter([[10.32, 9.61], [8.37, 5.93]] + [[8.4, 6.0]] * dtypes.ROUNDS)
+    monkeypatch.setattr(dtypes, "_linear_ms", lambda weights, kinds: next(rounds))
+    monkeypatch.setattr(dtypes.time, "sleep", lambda s: None)
+
+
+def test_a_slowed_round_does_not_decide_the_dtype(monkeypatch):
+    _slow_then_fast(monkeypatch)
+    assert dtypes.measure_cpu() == {"float32_ms": 8.37, "bfloat16_ms": 5.93}
+    _slow_then_fast(monkeypatch)  # the rule it replaced: one round decides, and picks fp32 here
+    first = dtypes._linear_ms(None, None)
+    assert not first[0] > dtypes.MIN_GAIN * first[1]
+
+
+def test_where_fp32_is_faster_every_round_is_taken(monkeypatch):
+    calls = []
+    monkeypatch.setattr(dtypes, "_linear_ms", lambda weights, kinds: calls.append(1) or [4.0 + len(calls), 10.0])
+    monkeypatch.setattr(dtypes.time, "sleep", lambda s: None)
+    assert dtypes.measure_cpu() == {"float32_ms": 5.0, "bfloat16_ms": 10.0} and len(calls) == dtypes.ROUNDS
