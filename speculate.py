@@ -146,10 +146,10 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
 
 
 def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise: Tensor):
-    """EAGLE-2 when sampling: spec.widths nodes a level, ranked by draft log-probs plus the Gumbels the verify draws
-    with (spectree.grow_coupled). noise [depth+1, V] in target ids. -> the tree's tokens, parents and scores."""
+    """EAGLE-2 when sampling: spec.widths nodes a level, ranked in fp32 (any function of the noise may rank) by draft log-probs
+    plus the verify's Gumbels (spectree.grow_coupled); noise [depth+1, V] fp64 in target ids. -> tokens, parents, scores."""
     ctx, widths = live_width(st.L - 1, head.max_seq_length), spec.widths
-    noise = noise[: len(widths), head.draft_vocab] if len(head.draft_vocab) else noise[: len(widths)]
+    noise = (noise[: len(widths), head.draft_vocab] if len(head.draft_vocab) else noise[: len(widths)]).float()
     feat, anc = h_root[None], torch.zeros_like(st.scratch_eye[:1])
 
     def step(level, tok, parent):
@@ -169,7 +169,7 @@ def draft_static(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sa
     """EAGLE-1: the fixed tree; each node is its parent's draft token at the node's top-k rank (when sampling, ranked
     by log-probs plus the verify's Gumbels, as draft_coupled: the tree's shape is fixed, so any noise may rank it)."""
     parents, ranks, ctx = st.static_parents, st.static_ranks, live_width(st.L - 1, head.max_seq_length)
-    noise = noise[:, head.draft_vocab] if noise is not None and len(head.draft_vocab) else noise
+    noise = None if noise is None else (noise[:, head.draft_vocab] if len(head.draft_vocab) else noise).float()  # as draft_coupled's
 
     def ranked(logits, level):
         return logits if noise is None else sampling.draft_logprobs(logits) + noise[level - 1]

@@ -352,6 +352,10 @@ static void block_sums(const int32_t* w, int64_t K, const uint8_t* u1, const uin
     _tile_zero(2);
     _tile_zero(3);
     for (int64_t k = 0; k < K; k += 64) {
+      for (int l = 0; l < 16; l++) {  // each block's codes 2 KB on (at its end, the next block's): a tile load waits
+        _mm_prefetch((const char*)(w + k / 4 * 16) + 2048 + l * 64, _MM_HINT_T0);  // for all 16 of its lines
+        _mm_prefetch((const char*)(w2 + k / 4 * 16) + 2048 + l * 64, _MM_HINT_T0);
+      }
       _tile_loadd(4, u1 + k, K);
       _tile_loadd(5, u2 + k, K);
       _tile_loadd(6, w + k / 4 * 16, 64);
