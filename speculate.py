@@ -146,8 +146,8 @@ def draft_dynamic(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor):
 
 
 def draft_coupled(target, head, st: SpecState, spec: TreeSpec, h_root: Tensor, sampling: Sampling, noise: Tensor):
-    """EAGLE-2 when sampling: spec.widths nodes a level, ranked in fp32 (any function of the noise may rank) by draft log-probs
-    plus the verify's Gumbels (spectree.grow_coupled); noise [depth+1, V] fp64 in target ids. -> tokens, parents, scores."""
+    """EAGLE-2 when sampling: spec.widths nodes a level, ranked by draft log-probs plus the verify's Gumbels rounded to fp32
+    (still rows no draw below reads: spectree.grow_coupled); noise [depth+1, V] fp64 in target ids. -> tokens, parents, scores."""
     ctx, widths = live_width(st.L - 1, head.max_seq_length), spec.widths
     noise = (noise[: len(widths), head.draft_vocab] if len(head.draft_vocab) else noise[: len(widths)]).float()
     feat, anc = h_root[None], torch.zeros_like(st.scratch_eye[:1])

@@ -298,8 +298,8 @@ def test_a_draft_equal_to_the_target_foresees_every_draw(mode, samp, monkeypatch
 
 @pytest.mark.parametrize("mode", ["eagle2", "eagle"])
 def test_sampled_drafts_rank_in_fp32(mode, monkeypatch):
-    # The drafts rank by log q plus the verify's fp64 Gumbels rounded to fp32 (any function of the noise may rank), so
-    # a CPU ranks on eaglet::topk's fp32 rows, not torch's fp64 top-k; ranked in fp64 as the draws are, it would not.
+    # The drafts rank by log q plus the verify's fp64 Gumbels rounded to fp32 (a rounding of the rows a level may rank
+    # by), so a CPU ranks on eaglet::topk's fp32 rows, not torch's fp64 top-k; ranked in fp64 as the draws are, it would not.
     seen, topk = [], speculate.ops.topk
     monkeypatch.setattr(speculate.ops, "topk", lambda x, k: (seen.append(x.dtype), topk(x, k))[1])
     run_cycles(COUPLED[mode][0], T1, 4, cycles=1)
