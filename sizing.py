@@ -287,8 +287,9 @@ def device_name(device) -> str:
 # of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
 # layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel; 8: a draft level's
 # top-k on eaglet::topk, attention's output written where wo reads it; 9: a level over half the draft vocabulary; 10: the
-# target's draws from int8 codes of its LM head, eaglet::lm_head_argmax), so older measurements are not reused.
-COSTS_VERSION = 10
+# target's draws from int8 codes of its LM head, eaglet::lm_head_argmax; 11: on AMX, verifies of 17-64 rows stream each
+# weight once), so older measurements are not reused.
+COSTS_VERSION = 11
 
 
 def cache_key(target, head, compiled=False) -> str:

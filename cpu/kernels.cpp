@@ -146,33 +146,86 @@ static void amx_blocks(const W* w, int64_t pairs, const at::BFloat16* x, int64_t
   if constexpr (NB > 2) { AMX_STORE(2) }
   if constexpr (NB > 3) { AMX_STORE(3) }
 }
+// Past 16 rows: G (2-4) groups of 16 rows, from a zero-padded copy, share each B tile load, so the weight streams
+// from memory once for up to 64 rows where a pass a group would read it G times; NB blocks, G * NB <= 4 C tiles (C
+// tile g * NB + b: group g, block b). A row's sums run in amx_blocks' order. last: the last group's real rows.
+#define AMX_STORE_AT(t, g, b) _tile_stored(t, buf, 64); MEMORY_BARRIER \
+  amx_rows_out(buf, g == G - 1 ? last : 16, y + g * 16 * ys + b * 16, ys, scale ? scale + b * 16 : nullptr);
+template <int G, int NB, typename W, typename Y>
+static void amx_groups(const W* w, int64_t pairs, const at::BFloat16* x, int64_t xs, int last, Y* y, int64_t ys, const float* scale) {
+  static_assert(G >= 2 && G <= 4 && G * NB <= 4);
+  alignas(64) float buf[256];
+  alignas(64) int32_t wide[256];
+  const int64_t block = pairs * 16;
+  _tile_zero(0);
+  _tile_zero(1);
+  if constexpr (G * NB > 2) _tile_zero(2);
+  if constexpr (G * NB > 3) _tile_zero(3);
+  for (int64_t p = 0; p < pairs; p += 16) {
+    for (int b = 0; b < NB; b++) {  // as amx_blocks
+      const W* ahead = p + 16 < pairs ? w + b * block + (p + 16) * 16 : w + (NB + b) * block;
+      for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)ahead + l * 64, _MM_HINT_T0);
+    }
+    _tile_loadd(4, x + 2 * p, xs * 2);
+    if constexpr (G == 2) {
+      _tile_loadd(7, x + 16 * xs + 2 * p, xs * 2);
+      if constexpr (NB == 1) { AMX_LOAD_B(5, 0) _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 7, 5); }
+      else { AMX_LOAD_B(5, 0) _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(2, 7, 5);
+             AMX_LOAD_B(6, 1) _tile_dpbf16ps(1, 4, 6); _tile_dpbf16ps(3, 7, 6); }
+    } else {
+      _tile_loadd(6, x + 16 * xs + 2 * p, xs * 2);
+      _tile_loadd(7, x + 32 * xs + 2 * p, xs * 2);
+      AMX_LOAD_B(5, 0) _tile_dpbf16ps(0, 4, 5); _tile_dpbf16ps(1, 6, 5); _tile_dpbf16ps(2, 7, 5);
+      if constexpr (G == 4) { _tile_loadd(4, x + 48 * xs + 2 * p, xs * 2); _tile_dpbf16ps(3, 4, 5); }
+    }
+  }
+  if constexpr (NB == 1) {
+    AMX_STORE_AT(0, 0, 0) AMX_STORE_AT(1, 1, 0)
+    if constexpr (G > 2) { AMX_STORE_AT(2, 2, 0) }
+    if constexpr (G > 3) { AMX_STORE_AT(3, 3, 0) }
+  } else { AMX_STORE_AT(0, 0, 0) AMX_STORE_AT(1, 0, 1) AMX_STORE_AT(2, 1, 0) AMX_STORE_AT(3, 1, 1) }
+}
 // Every block for M rows: the blocks split evenly over the threads (whole groups of 4 left one thread 5 of a 576-wide
-// output's 9: 5-11% slower), 4 at a time; past 16 rows the rows come 16 at a time from a zero-padded copy, each
-// group's weights read from memory once and again from cache for the next 16.
+// output's 9: 5-11% slower), 4 at a time for up to 16 rows; past that, 64 rows at a time in amx_groups, each block's
+// weights read from memory once and again from cache for the next 64.
 template <typename W, typename Y>
 static void amx_rows(const W* w, int64_t blocks, int64_t pairs, const at::BFloat16* x, int64_t M, Y* y, int64_t N, const float* scale) {
   at::Tensor padded;
-  int R = M < 16 ? (int)M : 16;
   if (M > 16 && M % 16) {
     padded = at::zeros({(M + 15) / 16 * 16, pairs * 2}, at::kBFloat16);
     std::memcpy(padded.data_ptr(), x, M * pairs * 2 * sizeof(at::BFloat16));
     x = padded.data_ptr<at::BFloat16>();
   }
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
-    amx_config(R);
-    for (int64_t g = b0; g < b1; g += 4) {
-      const W* wg = w + g * pairs * 16;
-      const float* sg = scale ? scale + g * 16 : nullptr;
-      for (int64_t m = 0; m < M; m += 16) {
-        int rows = std::min<int64_t>(16, M - m);
-        const at::BFloat16* xm = x + m * pairs * 2;
-        Y* ym = y + m * N + g * 16;
+    amx_config(M < 16 ? (int)M : 16);
+    if (M <= 16) {
+      for (int64_t g = b0; g < b1; g += 4) {
+        const W* wg = w + g * pairs * 16;
+        const float* sg = scale ? scale + g * 16 : nullptr;
         switch (std::min<int64_t>(4, b1 - g)) {
-          case 4: amx_blocks<4>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
-          case 3: amx_blocks<3>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
-          case 2: amx_blocks<2>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
-          case 1: amx_blocks<1>(wg, pairs, xm, pairs * 2, rows, ym, N, sg); break;
+          case 4: amx_blocks<4>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
+          case 3: amx_blocks<3>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
+          case 2: amx_blocks<2>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
+          case 1: amx_blocks<1>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
         }
+      }
+    } else {
+      for (int64_t g = b0; g < b1;) {
+        int nb = (M > 32 || b1 - g == 1) ? 1 : 2;  // two groups of rows take two blocks a pass, more take one
+        const W* wg = w + g * pairs * 16;
+        const float* sg = scale ? scale + g * 16 : nullptr;
+        for (int64_t m = 0; m < M; m += 64) {
+          int64_t left = std::min<int64_t>(64, M - m);
+          int groups = (int)((left + 15) / 16), last = (int)(left - (groups - 1) * 16);
+          const at::BFloat16* xm = x + m * pairs * 2;
+          Y* ym = y + m * N + g * 16;
+          if (groups == 1) amx_blocks<1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);  // the rows past a multiple of 64
+          else if (groups == 2 && nb == 2) amx_groups<2, 2>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+          else if (groups == 2) amx_groups<2, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+          else if (groups == 3) amx_groups<3, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+          else amx_groups<4, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+        }
+        g += nb;
       }
     }
     _tile_release();

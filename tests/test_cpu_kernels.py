@@ -35,14 +35,15 @@ def reference(x, w):
 
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576), (576, 1536)])
 def test_rows_mm_is_the_product(out_features, in_features, path):
-    """Every row count 1-17 and 40 (16 at a time past 16), with leading dims: the double-precision product rounded once
+    """Every row count 1-17, and past 16 the groups of 16 that share a pass (2, 3 and 4 of them, and 64 then 6), with
+    leading dims: the double-precision product rounded once
     to bf16, give or take one bf16 step (the kernel's fp32 sums run in their own order). A wrong layout, a row read
     from the wrong place or an output block skipped misses by far more."""
     assert kernels.build()
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).bfloat16()
     packed = kernels.pack(w)
-    for rows in [*range(1, 18), 40]:
+    for rows in [*range(1, 18), 32, 33, 40, 64, 70]:
         x = torch.randn(2, rows, in_features).bfloat16()
         y = torch.ops.eaglet.rows_mm(x, packed)
         ref = reference(x, w)
@@ -61,13 +62,13 @@ def int8_op(w):
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576)])
 def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features, path):
     """rows_mm_int8 multiplies by codes * scale (one scale per output): the double-precision product rounded once to
-    bf16, give or take one bf16 step, for 1-17 and 40 rows. The bf16 layout's words, a scale of the wrong output or none
+    bf16, give or take one bf16 step, for 1-17 and 32-70 rows. The bf16 layout's words, a scale of the wrong output or none
     miss by far more."""
     assert kernels.build()
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).bfloat16() * torch.rand(out_features, 1).bfloat16()  # scales differ
     op, dequantised = int8_op(w)
-    for rows in [*range(1, 18), 40]:
+    for rows in [*range(1, 18), 32, 33, 40, 64, 70]:
         x = torch.randn(2, rows, in_features).bfloat16()
         y = op(x)
         ref = x.double() @ dequantised.t()
@@ -78,7 +79,8 @@ def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features, pat
 
 @pytest.mark.parametrize("op", ["rows_mm", "rows_mm_f32", "rows_mm_int8"])
 def test_a_row_does_not_depend_on_its_neighbours(op, path):
-    """On either path, row r of an M-row product equals the one-row product of row r bit for bit, for M up to 17 and 40:
+    """On either path, row r of an M-row product equals the one-row product of row r bit for bit, for M up to 17 and
+    past it in groups of 16 sharing a pass:
     so a tree verify scores a node exactly as the one-row decode step would (the grouping of output blocks changes with
     M, the order of each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of
     rows_mm_int8. Where AMX runs, 1-2 rows take the other path (test_amx_takes_the_passes_of_enough_rows)."""
@@ -89,9 +91,9 @@ def test_a_row_does_not_depend_on_its_neighbours(op, path):
         op = int8_op(w)[0]
     else:
         op = functools.partial(getattr(torch.ops.eaglet, op), w=kernels.pack(w))
-    x = torch.randn(40, 576).bfloat16()
-    alone = torch.cat([op(x[i : i + 1]) for i in range(40)])
-    for rows in [*range(2, 18), 40]:
+    x = torch.randn(70, 576).bfloat16()
+    alone = torch.cat([op(x[i : i + 1]) for i in range(70)])
+    for rows in [*range(2, 18), 31, 40, 64, 70]:
         assert torch.equal(op(x[:rows]), alone[:rows]), rows
 
 
