@@ -153,17 +153,22 @@ def write_gguf(checkpoint: Path, out: Path, qtype: str) -> Path:
 
 
 def llama_cpp_model(checkpoint: Path, qtype: str, n_ctx: int, threads: int):
-    """A llama_cpp.Llama over our checkpoint at qtype; GGUFs written once into a temporary directory."""
+    """A llama_cpp.Llama over our checkpoint at qtype: the shipped Q4_1 GGUF, or our weights written as a GGUF into a
+    temporary directory that is gone once the model is loaded (llama.cpp maps the file, and the mapping outlives its
+    name): a run's few hundred MB never stay behind."""
     if not has("llama_cpp"):
         raise PeerUnavailable("llama-cpp-python is not installed (pip install llama-cpp-python; builds in ~3 min)")
     import llama_cpp
 
+    def load(path: Path):
+        return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+
     if qtype == "q4_1":
-        path = gguf_source(checkpoint)
-    else:
-        path = Path(tempfile.mkdtemp(prefix="eaglet-gguf-")) / f"{checkpoint.name}.{qtype}.gguf"
+        return load(gguf_source(checkpoint))
+    with tempfile.TemporaryDirectory(prefix="eaglet-gguf-", ignore_cleanup_errors=True) as tmp:
+        path = Path(tmp) / f"{checkpoint.name}.{qtype}.gguf"
         write_gguf(checkpoint, path, qtype)
-    return llama_cpp.Llama(str(path), n_ctx=n_ctx, n_threads=threads, n_threads_batch=threads, n_batch=512, verbose=False)
+        return load(path)
 
 
 def llama_cpp_generate(llm, prompt: list, max_new_tokens: int, stop_ids) -> tuple:

@@ -181,3 +181,21 @@ def test_llama_cpp_needs_the_default_models_gguf_metadata(tmp_path):
     a reason, whether or not llama-cpp-python is installed (this path runs before llama_cpp is imported)."""
     with pytest.raises(peers.PeerUnavailable, match="GGUF tokenizer metadata"):
         peers.gguf_source(tmp_path / "other-model")
+
+
+def test_llama_cpp_leaves_no_gguf_behind(tmp_path, monkeypatch):
+    """The GGUF written for llama.cpp goes with its temporary directory once the model is loaded, and the model still
+    decodes from the mapped file: a bench run with llama.cpp peers leaves nothing in the temporary directory."""
+    pytest.importorskip("llama_cpp")
+    from checkpoint import default_checkpoint
+
+    try:
+        checkpoint = default_checkpoint()
+        peers.gguf_source(checkpoint)
+    except (FileNotFoundError, peers.PeerUnavailable) as e:
+        pytest.skip(str(e))
+    monkeypatch.setattr(peers.tempfile, "tempdir", str(tmp_path))
+    llm = peers.llama_cpp_model(checkpoint, "q8_0", n_ctx=64, threads=1)
+    assert list(tmp_path.iterdir()) == []
+    ids, _ = peers.llama_cpp_generate(llm, [1, 2, 3], 4, stop_ids=())
+    assert len(ids) == 4
