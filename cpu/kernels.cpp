@@ -16,7 +16,8 @@
 //
 // With AMX (amx_tile, amx_bf16; built with -DEAGLET_AMX) the rows_mm ops run on tiles instead: the packed layout is
 // the B tile's (int8 codes are widened into one first), and one tile multiply sums 16 input pairs for up to 16 rows,
-// so a verify's rows stop costing compute (and attend's, from amx_attend_rows query rows a KV head). Passes of fewer
+// so a verify's rows stop costing compute (and attend's, from amx_attend_rows query rows a KV head); past 16 rows up to
+// four groups of 16 share each B tile load, so the weight still streams once for up to 64 rows. Passes of fewer
 // than amx_min_rows rows stay on vdpbf16ps; so a row's sums are the same in every pass on either side of that bound,
 // but the two paths add them in different orders.
 #include <ATen/ATen.h>
