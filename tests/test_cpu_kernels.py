@@ -36,9 +36,9 @@ def reference(x, w):
 @pytest.mark.parametrize("out_features,in_features", [(16, 2), (48, 64), (960, 576), (576, 1536)])
 def test_rows_mm_is_the_product(out_features, in_features, path):
     """Every row count 1-17, and past 16 the groups of 16 that share a pass (2, 3 and 4 of them, and 64 then 6), with
-    leading dims: the double-precision product rounded once
-    to bf16, give or take one bf16 step (the kernel's fp32 sums run in their own order). A wrong layout, a row read
-    from the wrong place or an output block skipped misses by far more."""
+    leading dims: the double-precision product rounded once to bf16, give or take one bf16 step (the kernel's fp32 sums
+    run in their own order). A wrong layout, a row read from the wrong place or an output block skipped misses by far
+    more."""
     assert kernels.build()
     torch.manual_seed(0)
     w = torch.randn(out_features, in_features).bfloat16()
@@ -80,9 +80,8 @@ def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features, pat
 @pytest.mark.parametrize("op", ["rows_mm", "rows_mm_f32", "rows_mm_int8"])
 def test_a_row_does_not_depend_on_its_neighbours(op, path):
     """On either path, row r of an M-row product equals the one-row product of row r bit for bit, for M up to 17 and
-    past it in groups of 16 sharing a pass:
-    so a tree verify scores a node exactly as the one-row decode step would (the grouping of output blocks changes with
-    M, the order of each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of
+    past it in groups of 16 sharing a pass: so a tree verify scores a node exactly as the one-row decode step would (the
+    grouping of output blocks and rows changes with M, the order of each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of
     rows_mm_int8. Where AMX runs, 1-2 rows take the other path (test_amx_takes_the_passes_of_enough_rows)."""
     assert kernels.build()
     torch.manual_seed(1)
