@@ -120,6 +120,15 @@ static inline void amx_rows_out(const float* buf, int R, Y* y, int64_t ys, const
   if constexpr (std::is_same_v<W, int32_t>) { _tile_loadd(t, w + (b) * block + p * 16, 64); } \
   else { for (int l = 0; l < 16; l++) _mm512_store_si512(wide + l * 16, (__m512i)weights(w + (b) * block + (p + l) * 16)); \
          MEMORY_BARRIER _tile_loadd(t, wide, 64); MEMORY_BARRIER }
+// NB blocks' next 16 pairs, 1 KB (bf16) or 512 bytes (int8) ahead of the tile loads at pair p; in the last step, the
+// first 16 of the next NB blocks' (the next call's), whose starts would otherwise come cold to a tile load.
+template <int NB, typename W>
+static inline void amx_prefetch(const W* w, int64_t block, int64_t p, int64_t pairs) {
+  for (int b = 0; b < NB; b++) {
+    const W* ahead = p + 16 < pairs ? w + b * block + (p + 16) * 16 : w + (NB + b) * block;
+    for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)ahead + l * 64, _MM_HINT_T0);
+  }
+}
 // NB (<= 4) blocks of 16 outputs for R rows: w at the first block, x's rows xs elements apart, scale per output or null.
 template <int NB, typename W, typename Y>
 static void amx_blocks(const W* w, int64_t pairs, const at::BFloat16* x, int64_t xs, int R, Y* y, int64_t ys, const float* scale) {
@@ -131,11 +140,7 @@ static void amx_blocks(const W* w, int64_t pairs, const at::BFloat16* x, int64_t
   if constexpr (NB > 2) _tile_zero(2);
   if constexpr (NB > 3) _tile_zero(3);
   for (int64_t p = 0; p < pairs; p += 16) {
-    for (int b = 0; b < NB; b++) {  // the next 16 pairs, 1 KB (bf16) or 512 bytes (int8) ahead; in the last step, the
-      // first 16 of the next NB blocks' (the next call's), whose starts would otherwise come cold to a tile load
-      const W* ahead = p + 16 < pairs ? w + b * block + (p + 16) * 16 : w + (NB + b) * block;
-      for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)ahead + l * 64, _MM_HINT_T0);
-    }
+    amx_prefetch<NB>(w, block, p, pairs);
     _tile_loadd(4, x + 2 * p, xs * 2);
     AMX_LOAD_B(5, 0) _tile_dpbf16ps(0, 4, 5);
     if constexpr (NB > 1) { AMX_LOAD_B(6, 1) _tile_dpbf16ps(1, 4, 6); }
@@ -163,10 +168,7 @@ static void amx_groups(const W* w, int64_t pairs, const at::BFloat16* x, int64_t
   if constexpr (G * NB > 2) _tile_zero(2);
   if constexpr (G * NB > 3) _tile_zero(3);
   for (int64_t p = 0; p < pairs; p += 16) {
-    for (int b = 0; b < NB; b++) {  // as amx_blocks
-      const W* ahead = p + 16 < pairs ? w + b * block + (p + 16) * 16 : w + (NB + b) * block;
-      for (int l = 0; l < (int)sizeof(W) * 4; l++) _mm_prefetch((const char*)ahead + l * 64, _MM_HINT_T0);
-    }
+    amx_prefetch<NB>(w, block, p, pairs);
     _tile_loadd(4, x + 2 * p, xs * 2);
     if constexpr (G == 2) {
       _tile_loadd(7, x + 16 * xs + 2 * p, xs * 2);
