@@ -201,35 +201,29 @@ static void amx_rows(const W* w, int64_t blocks, int64_t pairs, const at::BFloat
   }
   at::parallel_for(0, blocks, 1, [&](int64_t b0, int64_t b1) {
     amx_config(M < 16 ? (int)M : 16);
-    if (M <= 16) {
-      for (int64_t g = b0; g < b1; g += 4) {
-        const W* wg = w + g * pairs * 16;
-        const float* sg = scale ? scale + g * 16 : nullptr;
-        switch (std::min<int64_t>(4, b1 - g)) {
-          case 4: amx_blocks<4>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
-          case 3: amx_blocks<3>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
-          case 2: amx_blocks<2>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
-          case 1: amx_blocks<1>(wg, pairs, x, pairs * 2, (int)M, y + g * 16, N, sg); break;
-        }
+    for (int64_t g = b0; g < b1;) {
+      // blocks a call: 4 for one group of rows, 2 for two groups, 1 for more
+      int nb = (int)std::min<int64_t>(M <= 16 ? 4 : M <= 32 ? 2 : 1, b1 - g);
+      const W* wg = w + g * pairs * 16;
+      const float* sg = scale ? scale + g * 16 : nullptr;
+      for (int64_t m = 0; m < M; m += 64) {
+        int64_t left = std::min<int64_t>(64, M - m);
+        int groups = (int)((left + 15) / 16), last = (int)(left - (groups - 1) * 16);
+        const at::BFloat16* xm = x + m * pairs * 2;
+        Y* ym = y + m * N + g * 16;
+        if (groups == 1) {  // up to 16 rows, or the rows past a multiple of 64
+          switch (nb) {
+            case 4: amx_blocks<4>(wg, pairs, xm, pairs * 2, last, ym, N, sg); break;
+            case 3: amx_blocks<3>(wg, pairs, xm, pairs * 2, last, ym, N, sg); break;
+            case 2: amx_blocks<2>(wg, pairs, xm, pairs * 2, last, ym, N, sg); break;
+            case 1: amx_blocks<1>(wg, pairs, xm, pairs * 2, last, ym, N, sg); break;
+          }
+        } else if (groups == 2 && nb == 2) amx_groups<2, 2>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+        else if (groups == 2) amx_groups<2, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+        else if (groups == 3) amx_groups<3, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
+        else amx_groups<4, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
       }
-    } else {
-      for (int64_t g = b0; g < b1;) {
-        int nb = (M > 32 || b1 - g == 1) ? 1 : 2;  // two groups of rows take two blocks a pass, more take one
-        const W* wg = w + g * pairs * 16;
-        const float* sg = scale ? scale + g * 16 : nullptr;
-        for (int64_t m = 0; m < M; m += 64) {
-          int64_t left = std::min<int64_t>(64, M - m);
-          int groups = (int)((left + 15) / 16), last = (int)(left - (groups - 1) * 16);
-          const at::BFloat16* xm = x + m * pairs * 2;
-          Y* ym = y + m * N + g * 16;
-          if (groups == 1) amx_blocks<1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);  // the rows past a multiple of 64
-          else if (groups == 2 && nb == 2) amx_groups<2, 2>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
-          else if (groups == 2) amx_groups<2, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
-          else if (groups == 3) amx_groups<3, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
-          else amx_groups<4, 1>(wg, pairs, xm, pairs * 2, last, ym, N, sg);
-        }
-        g += nb;
-      }
+      g += nb;
     }
     _tile_release();
   });
