@@ -81,8 +81,9 @@ def test_rows_mm_int8_is_the_product_of_its_codes(out_features, in_features, pat
 def test_a_row_does_not_depend_on_its_neighbours(op, path):
     """On either path, row r of an M-row product equals the one-row product of row r bit for bit, for M up to 17 and
     past it in groups of 16 sharing a pass: so a tree verify scores a node exactly as the one-row decode step would (the
-    grouping of output blocks and rows changes with M, the order of each output's sum must not). The same for the fp32 logits of rows_mm_f32 and the int8 codes of
-    rows_mm_int8. Where AMX runs, 1-2 rows take the other path (test_amx_takes_the_passes_of_enough_rows)."""
+    grouping of output blocks and rows changes with M, the order of each output's sum must not). The same for the fp32
+    logits of rows_mm_f32 and the int8 codes of rows_mm_int8. Where AMX runs, 1-2 rows take the other path
+    (test_amx_takes_the_passes_of_enough_rows)."""
     assert kernels.build()
     torch.manual_seed(1)
     w = torch.randn(3072, 576).bfloat16()
