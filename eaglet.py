@@ -10,11 +10,11 @@ import dtypes
 import ops
 import sizing
 import tp
-from checkpoint import (DEFAULT_HEAD, UsageError, check_device_dtype, checkpoint_tokenizer, default_checkpoint, load_draft_head,
-                        load_draft_model, load_model)
+from checkpoint import DEFAULT_HEAD, check_device_dtype, checkpoint_tokenizer, default_checkpoint, load_draft_head, load_draft_model, load_model
 from compiling import COMPILE_CHOICES, sizing_compile
 from draft import DraftHead
-from generator import GREEDY, Generator, Result, acceptance_metrics, check_sampling, decode_one, log_stderr, prefill  # noqa: F401  (the API)
+from errors import UsageError
+from generator import GREEDY, Generator, Result, acceptance_metrics, check_sampling, log_stderr, prefill  # noqa: F401  (the API)
 from model import Transformer
 from sampling import Sampling
 from speculate import CHAINS, MODES, TreeSpec
@@ -59,10 +59,12 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
         raise UsageError("--speculate sps needs --draft-checkpoint DIR (a small LLM with the same vocabulary)")
     draft_model = load_draft_model(draft_checkpoint, target) if speculate == "sps" else None
     rule = sampling if isinstance(sampling, Sampling) else Sampling(1.0) if sampling else GREEDY
-    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, batch,
+    spec = tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, 1,
                      rule.temperature > 0, draft_vocab)
-    gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer)
-    gen.build(rule, log)
+    trees = {1: spec} | {n: tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, n,
+                                      rule.temperature > 0, draft_vocab, plain=True) for n in range(2, batch + 1)}
+    gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer, trees=trees)
+    gen.build(rule.kind, log)
     return gen, tokenizer
 
 
@@ -121,11 +123,12 @@ def check_options(speculate, depth=None, topk=None, num_draft_tokens=None, specu
 
 def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=None, topk=None, num_draft_tokens=None,
               speculate_k=None, compile=False, log=log_stderr, lookup_slots=None, batch: int = 1, sampling: bool = False,
-              draft_vocab=None) -> Optional[TreeSpec]:
+              draft_vocab=None, plain: bool = False) -> Optional[TreeSpec]:
     """The cycle's shape. For eagle2, what is left open is sized for this device and batch size: sizing.measure_tree
     times the target and head once (compiled when the cycle will be) and caches the result. A sized tree's head, unless
     draft_vocab (--draft-vocab) was given, drafts over the more frequent half of its vocabulary where the costs say
-    that is faster (sizing.draft_width, sizing.cut_vocab)."""
+    that is faster (sizing.draft_width, sizing.cut_vocab); the vocabulary is the one-sequence tree's, which a batch
+    shares. plain: None where no tree is expected to beat plain steps at this batch size (eagle and eagle2 only)."""
     if speculate == "none":
         return None
     if speculate in CHAINS:
@@ -143,11 +146,14 @@ def tree_spec(speculate, target: Transformer, head: Optional[DraftHead], depth=N
             raise UsageError(f"--num-draft-tokens {m} exceeds the {k + (depth - 1) * k * k} candidates of depth {depth} and topk {k}")
     else:
         try:
-            m, depth, k, width = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head, compile) if compile else None,
-                                                     lookup=lookup_slots, batch=batch, sampling=sampling)
+            sized = sizing.measure_tree(target, head, m, depth, k, log=log, compile_fn=sizing_compile(target, head, compile) if compile else None,
+                                        lookup=lookup_slots, batch=batch, sampling=sampling, plain=plain)
         except ValueError as e:
             raise UsageError(str(e)) from None
-        if draft_vocab is None:
+        if sized is None:
+            return None
+        m, depth, k, width = sized
+        if draft_vocab is None and batch == 1:
             sizing.cut_vocab(target, head, width)
     lookup_slots = sizing.lookup_slots(depth, lookup_slots, batch)
     if lookup_slots > depth:

@@ -10,11 +10,11 @@ from pathlib import Path
 import torch
 
 import tp
-from checkpoint import UsageError, UsageParser, check_text
 from eaglet import add_model_flags, check_sampling, load_generator
+from errors import UsageError, UsageParser
 from prompts import load_conversations
 from terminal import chat, status_line, streamer
-from tokenizer import encode_prompt
+from tokenizer import check_text, encode_prompt
 
 DEFAULT_PROMPT = "What is the capital of France?"
 

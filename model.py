@@ -162,16 +162,16 @@ class Attention(nn.Module):
         k = apply_rope(k.view(B, T, self.n_kv, self.head_dim), rope).transpose(1, 2)
         v = v.view(B, T, self.n_kv, self.head_dim).transpose(1, 2)
         k, v, tree = self.kv_cache.update(cache_pos, k, v, mask.shape[-1]) if self.kv_cache is not None else (k, v, None)
-        # statically_known_true: a graph for any number of rows (the prefill) keeps SDPA instead of guarding on T.
-        if tree or self.kv_cache is not None and x.device.type == "cpu" and statically_known_true(T <= FEW_QUERIES):
+        if tree or self.kv_cache is not None and ops.few_queries(q):
             y = attend_few(q, k, v, mask, tree)
         else:
             y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=self.n_kv != self.n_head)
         return self.wo(y.transpose(1, 2).reshape(B, T, q_size))
 
 
-# CPU SDPA tiles over queries, slow when few (a verify's 16): attend_few's matmuls take half its time. Longer prompts
-# keep SDPA, training its backward. Compiled: fused loops up to FUSED_QUERIES, a backend's kernel up to KERNEL_QUERIES.
+# Where a backend takes attend_few (ops.few_queries: a CPU, whose SDPA tiles over queries, slow when few), up to
+# FEW_QUERIES; longer prompts keep SDPA, training its backward. Compiled: fused loops up to FUSED_QUERIES, a backend's
+# kernel up to KERNEL_QUERIES.
 FEW_QUERIES, FUSED_QUERIES, KERNEL_QUERIES = 256, 16, 64
 
 
@@ -186,22 +186,26 @@ def attend_few(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, tree=None) -> Tens
     fused = compiling and statically_known_true(T <= FUSED_QUERIES)
     if mask.dim() == 4:
         mask = mask.reshape(B, n_kv, G, T, -1) if mask.shape[1] != 1 else mask.unsqueeze(1)
-    keys, values = [k] + ([tree[0]] if tree else []), [v] + ([tree[1]] if tree else [])
+    parts = [(k, v, mask[..., :S])] + ([(*tree, mask[..., S:])] if tree else [])
     # Compiled, products and sums fuse into a loop over the cache; as matmuls each is an extern call (a verify's
-    # unbacked live_width keeps the templates off), a sixth of a cycle. Eagerly, matmuls win.
+    # unbacked live_width keeps the templates off), a sixth of a cycle. Eagerly, matmuls win. The cache's scores and the
+    # tree's meet in one softmax by a shared max and sum, not a cat: under torch.vmap a cat whose width is
+    # data-dependent cannot be traced.
     if fused:
         qg = q.view(B, n_kv, G, T, 1, D).float()
-        scores = torch.cat([(qg * kk[:, :, None, None].float()).sum(-1) for kk in keys], -1)  # [B, Hkv, G, T, S(+T)]
+        scores = [(qg * kk[:, :, None, None].float()).sum(-1) for kk, _, _ in parts]  # [B, Hkv, G, T, S] each
     else:
         qg = q.reshape(B, n_kv, G * T, D)
-        scores = torch.cat([qg @ kk.transpose(-1, -2) for kk in keys], -1).float().view(B, n_kv, G, T, -1)
-    probs = torch.softmax(scores.masked_fill(~mask, float("-inf")) * D**-0.5, dim=-1)
-    parts = [probs[..., :S], probs[..., S:]][: len(values)]
+        scores = [(qg @ kk.transpose(-1, -2)).float().view(B, n_kv, G, T, -1) for kk, _, _ in parts]
+    scores = [s.masked_fill(~m, float("-inf")) * D**-0.5 for s, (_, _, m) in zip(scores, parts)]
+    top = torch.stack([s.amax(-1) for s in scores]).amax(0).unsqueeze(-1)
+    probs = [torch.exp(s - top) for s in scores]
+    total = sum(p.sum(-1, keepdim=True) for p in probs)
     if fused:
-        y = sum((p.unsqueeze(-1) * vv[:, :, None, None].float()).sum(-2) for p, vv in zip(parts, values))
+        y = sum((p.unsqueeze(-1) * vv[:, :, None, None].float()).sum(-2) for p, (_, vv, _) in zip(probs, parts))
     else:
-        y = sum(p.to(vv.dtype).reshape(B, n_kv, G * T, -1) @ vv for p, vv in zip(parts, values))
-    return y.to(v.dtype).view(B, H, T, D)
+        y = sum(p.to(vv.dtype).reshape(B, n_kv, G * T, -1) @ vv for p, (_, vv, _) in zip(probs, parts)).float().view(B, n_kv, G, T, D)
+    return (y.view(B, n_kv, G, T, D) / total).to(v.dtype).view(B, H, T, D)
 
 
 class FeedForward(nn.Module):
@@ -281,7 +285,7 @@ class Transformer(nn.Module):
                 entering[i] = x
             x = run_layer(layer, x, rope, cache_pos, mask) if run_layer else layer(x, rope, cache_pos, mask)
         h = entering[len(self.layers)] = self.norm(x)
-        return h, (torch.cat([entering[i] for i in self.taps], dim=-1) if self.taps else h)
+        return h, (ops.cat([entering[i] for i in self.taps], dim=-1) if self.taps else h)
 
     def forward(self, idx: Tensor, input_pos: Tensor, cache_pos: Tensor, mask: Tensor):
         """-> (logits, draft features); see hidden()."""
@@ -308,22 +312,7 @@ def find_multiple(n: int, k: int) -> int:
 
 def causal_mask(cache_pos: Tensor, max_seq_length: int) -> Tensor:
     """Row i may read every slot up to and including cache_pos[i]; no wider than the slots any row reads."""
-    width = live_width(cache_pos.max(), max_seq_length)
+    width = ops.live_width(cache_pos.max(), max_seq_length)
     return torch.arange(width, device=cache_pos.device) <= cache_pos.unsqueeze(-1)
 
 
-def live_width(last_slot: Tensor, length: int) -> int:
-    """Cache slots a pass reads: up to last_slot on a CPU, where attention costs what it reads, one graph for every
-    width (an unbacked size when compiled).
-    All of them on a GPU (CUDA graphs replay fixed shapes) and under torch.vmap (batch.py: rows end apart)."""
-    if last_slot.device.type != "cpu" or torch._C._functorch.is_batchedtensor(last_slot):
-        return length
-    width = int(last_slot.item()) + 1
-    torch._check(width >= 1)
-    torch._check(width <= length)
-    return width
-
-
-def one_line(err: Exception, limit: int = 200) -> str:
-    """An exception's message folded into one line: errors reach the user as exactly one line."""
-    return " ".join(str(err).split())[:limit] or type(err).__name__

@@ -4,8 +4,8 @@
 import json
 from pathlib import Path
 
-from checkpoint import UsageError, check_text
-from model import one_line
+from errors import UsageError, one_line
+from tokenizer import check_text
 
 MT_BENCH = Path(__file__).resolve().parent / "data" / "mt_bench.jsonl"
 CODE_MATH = MT_BENCH.with_name("code_math.jsonl")  # 12 coding and maths questions: a benchmark of another kind of text

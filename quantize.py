@@ -12,7 +12,8 @@ import torch.nn as nn
 
 import atomic
 import tp
-from checkpoint import UsageError, UsageParser, load_model
+from checkpoint import load_model
+from errors import UsageError, UsageParser
 from model import ModelArgs, causal_mask
 from quant import GROUPSIZES, MODES, quantize_model
 from tokenizer import load_tokenizer

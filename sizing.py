@@ -15,15 +15,15 @@ import torch
 import cachedir
 import dtypes
 import ops
+import sampling
 import tp
 import weights
-from checkpoint import UsageError
 from draft import Eagle3Head, use_draft_vocab
+from errors import UsageError
 from progress import ticking
 from spectree import RANK_ACCEPT, RANK_ACCEPT_SAMPLING, best_first, level_widths
 from model import FEW_QUERIES, FUSED_QUERIES, KERNEL_QUERIES, causal_mask, find_multiple, rope_at
 from quant import KERNEL_MAX_ROWS, QuantLinear
-from sampling import Sampling
 
 M_CHOICES = (2, 4, 6, 8, 12, 16, 24, 32, 48, 60)
 DEPTH_CHOICES = (2, 3, 4, 5, 6)
@@ -31,7 +31,7 @@ TOPK_CHOICES = (4, 10)
 # Sampling's trees keep fixed widths a level (spectree.grow_coupled), which the prior's best tree of m nodes with k
 # children a node sets: k 10, the paper's, only bounds how many of a node's ranks that tree may use.
 TOPK_SAMPLING = (10,)
-LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lift tau far more than they cost the cycle (docs/results.md)
+LOOKUP_SLOTS = 3  # eagle2's default: on MT-bench they lift tau far more than they cost the cycle (docs/cpu.md)
 # The priors: spectree.RANK_ACCEPT, and RANK_ACCEPT_SAMPLING for sampling's coupled trees.
 # The share of a tree's accepted drafts a head keeps when it drafts over the more frequent half of its vocabulary,
 # greedy and sampling: the shipped head with 8192 of its 16384 tokens, τ 2.63 -> 2.58 at T=0 and 2.07 -> 1.93 at T=1
@@ -43,6 +43,9 @@ QUERY_GROUPS = (FUSED_QUERIES, KERNEL_QUERIES, FEW_QUERIES)  # row counts up to 
 # The most draft levels (or chain tokens) a cycle may have: each level is a head pass, and its drafts are accepted
 # ever less often (the sizer goes to max(DEPTH_CHOICES)); past this a tree only costs, so a larger number is a mistake.
 MAX_DEPTH = 32
+# A batch speculates where its tree is expected to commit this many times the tokens of a plain step in the same time:
+# the cost model counts the passes, not a batch's own costs around them (its rows' bookkeeping, their draws).
+PAYS = 1.2
 
 
 def check_bounds(m=None, depth=None, k=None, chain=None, lookup=None):
@@ -213,7 +216,7 @@ def measure_costs(target, head, compile_fn=None) -> dict:
         def run_pass():
             for layer in target.layers:
                 run(layer, target.rope, x, pos, mask)
-            return ops.lm_head_draw(target.output, target.norm(x)[0], Sampling())  # the LM head as greedy draws read it
+            return sampling.lm_head_draw(target.output, target.norm(x)[0], "greedy")  # the LM head as greedy draws read it
         return run_pass
 
     def head_level(rows, fn=_head_level):
@@ -281,14 +284,7 @@ def device_name(device) -> str:
     return f"cpu ({torch.get_num_threads()} threads)"
 
 
-# Part of the cache key: bumped when the steps' code changes what they cost (2: tree verifies on a CPU read the
-# cache with attend_few's matmuls instead of SDPA, half the attention time; 3: sizes up to FUSED_QUERIES are timed
-# with the fused attention their fixed-size graphs take; 4: eaglet::attend shares each key and value load among the rows
-# of a KV head, a 9-row verify's attention 40% cheaper; 5: a draft head reads int8 codes of its weights; 6: a target pass timed
-# layer by layer through one graph of a layer; 7: verifies of 17-64 rows on the attention kernel; 8: a draft level's
-# top-k on eaglet::topk, attention's output written where wo reads it; 9: a level over half the draft vocabulary; 10: the
-# target's draws from int8 codes of its LM head, eaglet::lm_head_argmax; 11: on AMX, verifies of 17-64 rows stream each
-# weight once), so older measurements are not reused.
+# Part of the cache key: bump it when the steps' code changes what they cost, so older measurements are not reused.
 COSTS_VERSION = 11
 
 
@@ -362,15 +358,18 @@ def record_sweep(target, head, best: tuple, compiled=False, sampling: bool = Fal
 
 
 def measure_tree(target, head, m=None, depth=None, k=None, log=print, compile_fn=None, lookup=None, batch: int = 1,
-                 sampling: bool = False) -> tuple:
+                 sampling: bool = False, plain: bool = False):
     """(m, depth, k, width) for this device, batch size and kind of decoding: a --sweep result (one sequence, greedy or
     sampling) if there is one and nothing is given, else the cost model's best around whatever is given; width, the
     draft vocabulary that tree drafts over fastest (draft_width: the head's, or its more frequent half). Times the
-    device the first time (device_costs), then reads the cache."""
+    device the first time (device_costs), then reads the cache. plain: None where the best tree is expected to commit
+    no more tokens in a step's time than plain steps do (PAYS)."""
     costs = device_costs(target, head, log, compile_fn)
     vocab = len(head.draft_vocab)
     tree = None
     if not (m or depth or k) and batch == 1 and any(key.startswith("swept") for key in costs):  # the digest only then
         tree = costs.get(swept_key(sampling, head))
     tree = tuple(tree or ranked_trees(costs, m, depth, k, lookup=lookup, batch=batch, sampling=sampling, vocab=vocab or target.args.vocab_size)[0])
+    if plain and speed(costs, *tree, rank_accept(sampling), lookup, batch, sampling) < PAYS:
+        return None
     return (*tree, draft_width(costs, tree, vocab, lookup, batch, sampling))

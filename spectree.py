@@ -81,8 +81,8 @@ def grow(root_logp: Tensor, step, k: int, depth: int, m: int):
         parent = best // k
         idx = k + (level - 1) * k * k + best
         tok, score = child_tok.flatten()[best], child_score.flatten()[best]
-    pool_scores = torch.cat(pool_score)
-    return rerank(pool_scores, m), torch.cat(pool_tok), torch.cat(pool_parent), pool_scores
+    pool_scores = ops.cat(pool_score)
+    return rerank(pool_scores, m), ops.cat(pool_tok), ops.cat(pool_parent), pool_scores
 
 
 def rerank(pool_scores: Tensor, m: int) -> Tensor:
@@ -129,16 +129,16 @@ def grow_coupled(root_logp: Tensor, step, widths: tuple, noise: Tensor):
         toks.append(tok)
         parents.append(1 + sum(widths[: level - 1]) + parent)
         scores.append(score)
-    return torch.cat(toks), torch.cat(parents), torch.cat(scores)
+    return ops.cat(toks), ops.cat(parents), ops.cat(scores)
 
 
 def tree_from_pool(sel: Tensor, pool_tokens: Tensor, pool_parents: Tensor, root: Tensor):
     """Selected pool entries -> (tokens, parents) of an (m+1)-node tree. pool_parents holds pool
     indices, -1 for the root; sel is ascending and ancestor-closed."""
     parent_pool = pool_parents[sel]
-    parent_node = torch.searchsorted(sel, parent_pool.clamp(min=0)) + 1
-    parents = torch.cat([torch.zeros(1, dtype=torch.long, device=sel.device), torch.where(parent_pool < 0, 0, parent_node)])
-    return torch.cat([root.view(1), pool_tokens[sel]]), parents
+    parent_node = (sel < parent_pool.clamp(min=0).unsqueeze(-1)).sum(-1) + 1  # searchsorted, which vmap fixes to one batch size
+    parents = ops.cat([torch.zeros(1, dtype=torch.long, device=sel.device), torch.where(parent_pool < 0, 0, parent_node)])
+    return ops.cat([root.view(1), pool_tokens[sel]]), parents
 
 
 def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor, spare=None):
@@ -154,13 +154,21 @@ def graft_chain(tokens: Tensor, parents: Tensor, chain: Tensor, found: Tensor, s
     for i in range(chain.shape[0]):
         twin = (parents == cur) & (tokens == chain[i]) & live & (node[: n + i] != 0)
         exists = twin.any()
-        tokens, parents = torch.cat([tokens, chain[i].view(1)]), torch.cat([parents, cur.view(1)])
-        live = torch.cat([live, found.view(1) & ~exists.view(1) & live.index_select(0, cur.view(1))])  # a tensor index: no sync
+        tokens, parents = ops.cat([tokens, chain[i].view(1)]), ops.cat([parents, cur.view(1)])
+        live = ops.cat([live, found.view(1) & ~exists.view(1) & live[cur.view(1)]])  # a tensor index: no sync
         cur = torch.where(exists, twin.int().argmax(), n + i)
     if spare is not None:
         chained = live[n:].any()
         tokens, parents, live = torch.where(chained, tokens, spare[0]), torch.where(chained, parents, spare[1]), live | ~chained
     return tokens, parents, live
+
+
+def beside(context: Tensor, tree: Tensor) -> Tensor:
+    """A mask over a context of S slots [S] (alike for every node) then the tree's own n rows [n, n] -> [n, S + n]. By
+    index, not torch.cat: under torch.vmap a cat whose width is data-dependent (model.live_width) cannot be traced."""
+    S, n = context.shape[0], tree.shape[-1]
+    col = torch.arange(S + n, device=tree.device)
+    return torch.where(col < S, context[col.clamp(max=S - 1)], tree[:, (col - S).clamp(min=0)])
 
 
 def ancestor_mask(parents: Tensor, depth: int) -> Tensor:
@@ -225,6 +233,6 @@ def accept_chain(draft_tokens: Tensor, p: Tensor, q: Tensor):
     keep = uniform(px.shape, px.device) * qx < px  # float64: P(keep) = min(1, px / qx)
     accept_len = keep.int().cumprod(0).sum()
     at = accept_len.view(1)
-    residual = torch.cat([(p[:k] - q).clamp(min=0), p[k:]]).index_select(0, at)[0]
+    residual = ops.cat([(p[:k] - q).clamp(min=0), p[k:]]).index_select(0, at)[0]
     residual = torch.where(residual.sum() > 0, residual, p.index_select(0, at)[0])  # p == q: never reached, keep finite
     return accept_len, sample(residual / residual.sum())

@@ -3,8 +3,8 @@
 import json
 import sys
 
-from checkpoint import UsageError, check_text
-from tokenizer import StreamDecoder, encode_prompt
+from errors import UsageError
+from tokenizer import StreamDecoder, check_text, encode_prompt
 
 
 def streamer(tokenizer, stop_tokens, show: bool = True) -> tuple:
@@ -12,9 +12,10 @@ def streamer(tokenizer, stop_tokens, show: bool = True) -> tuple:
     decoder, ids = StreamDecoder(tokenizer), []
 
     def on_tokens(new):
-        ids.extend(t for t in new if t not in stop_tokens)
+        new = [t for t in new if t not in stop_tokens]
+        ids.extend(new)
         if show:
-            print(decoder.push(ids), end="", flush=True)
+            print(decoder.push(new), end="", flush=True)
 
     return on_tokens, ids
 

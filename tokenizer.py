@@ -14,7 +14,7 @@ import tiktoken
 import tokenizers
 from tokenizers import AddedToken, decoders, models, pre_tokenizers
 
-from model import one_line
+from errors import UsageError, one_line
 
 
 class Tokenizer(Protocol):
@@ -22,8 +22,8 @@ class Tokenizer(Protocol):
     bos_id: Optional[int]
     eos_id: Optional[int]
 
-    def encode(self, text: str) -> list[int]:
-        """Special-token texts inside `text` become their ids; never adds BOS."""
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Special-token texts inside `text` become their ids (special=False: they stay text); never adds BOS."""
         ...
 
     def decode(self, ids: list[int]) -> str: ...
@@ -47,7 +47,9 @@ class SentencePieceTokenizer:
         longest_first = sorted(self.specials, key=len, reverse=True)
         self.special_pattern = re.compile("(" + "|".join(map(re.escape, longest_first)) + ")")
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        if not special:
+            return self.sp.encode(text)
         ids = []
         for part in self.special_pattern.split(text):
             if part in self.specials:
@@ -96,8 +98,8 @@ class TiktokenTokenizer:
         self.bos_id = self.specials["<|begin_of_text|>"]
         self.eos_id = self.specials["<|end_of_text|>"]
 
-    def encode(self, text: str) -> list[int]:
-        return self.enc.encode(text, allowed_special="all")
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return self.enc.encode(text, allowed_special="all") if special else self.enc.encode(text, allowed_special=set(), disallowed_special=())
 
     def decode(self, ids: list[int]) -> str:
         return self.enc.decode(ids)
@@ -124,8 +126,15 @@ class HFTokenizer:
         text = value.get("content") if isinstance(value, dict) else value
         return self.tok.token_to_id(text) if text else None
 
-    def encode(self, text: str) -> list[int]:
-        return self.tok.encode(text, add_special_tokens=False).ids
+    @functools.cached_property
+    def literal(self) -> tokenizers.Tokenizer:
+        """A copy that reads special-token texts as text (its own object: a flag flipped on the shared one would race)."""
+        tok = tokenizers.Tokenizer.from_str(self.tok.to_str())
+        tok.encode_special_tokens = True
+        return tok
+
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        return (self.tok if special else self.literal).encode(text, add_special_tokens=False).ids
 
     def decode(self, ids: list[int]) -> str:
         return self.tok.decode(ids, skip_special_tokens=False)
@@ -223,50 +232,56 @@ VICUNA_SYSTEM_PROMPT = (
 )
 
 
-def _format_plain(messages: list[dict], add_generation_prompt: bool) -> str:
-    return "".join(m["content"] for m in messages)
+class Marker(str):
+    """A chat template's own special-token text (<|im_start|>, <|eot_id|>, </s>): encode_prompt reads it as that token,
+    where the same characters inside a message stay characters."""
 
 
-def _format_chatml(messages: list[dict], add_generation_prompt: bool, default_system: str = "") -> str:
+# Each template -> the prompt as a list of parts: the messages' text, the template's text and its Markers.
+def _format_plain(messages: list[dict], add_generation_prompt: bool) -> list:
+    return [m["content"] for m in messages]
+
+
+def _format_chatml(messages: list[dict], add_generation_prompt: bool, default_system: str = "") -> list:
     if default_system and messages and messages[0]["role"] != "system":
         messages = [{"role": "system", "content": default_system}, *messages]
-    text = "".join(f"<|im_start|>{m['role']}\n{m['content']}<|im_end|>\n" for m in messages)
-    return text + ("<|im_start|>assistant\n" if add_generation_prompt else "")
+    start, end = Marker("<|im_start|>"), Marker("<|im_end|>")
+    parts = [part for m in messages for part in (start, f"{m['role']}\n", m["content"], end, "\n")]
+    return parts + ([start, "assistant\n"] if add_generation_prompt else [])
 
 
-def _format_llama3(messages: list[dict], add_generation_prompt: bool) -> str:
+def _format_llama3(messages: list[dict], add_generation_prompt: bool) -> list:
     # Meta's reference strips each message's content
-    text = "".join(
-        f"<|start_header_id|>{m['role']}<|end_header_id|>\n\n{m['content'].strip()}<|eot_id|>" for m in messages
-    )
-    return text + ("<|start_header_id|>assistant<|end_header_id|>\n\n" if add_generation_prompt else "")
+    start, end, eot = Marker("<|start_header_id|>"), Marker("<|end_header_id|>"), Marker("<|eot_id|>")
+    parts = [part for m in messages for part in (start, m["role"], end, f"\n\n{m['content'].strip()}", eot)]
+    return parts + ([start, "assistant", end, "\n\n"] if add_generation_prompt else [])
 
 
-def _format_llama2(messages: list[dict], add_generation_prompt: bool) -> str:
+def _format_llama2(messages: list[dict], add_generation_prompt: bool) -> list:
     # Meta's chat_completion: the system block joins the first user turn; each answered turn ends with </s> and the
     # next opens with <s> (the caller adds the first BOS). The open [INST] turn is already the generation prompt.
     system = ""
     if messages and messages[0]["role"] == "system":
         system, messages = f"<<SYS>>\n{messages[0]['content']}\n<</SYS>>\n\n", messages[1:]
-    text = ""
+    parts = []
     for m in messages:
         if m["role"] == "user":
-            text += f"{'<s>' if text else ''}[INST] {(system + m['content']).strip()} [/INST]"
+            parts += ([Marker("<s>")] if parts else []) + [f"[INST] {(system + m['content']).strip()} [/INST]"]
             system = ""
         else:
-            text += f" {m['content'].strip()} </s>"
-    return text
+            parts += [f" {m['content'].strip()} ", Marker("</s>")]
+    return parts
 
 
-def _format_vicuna(messages: list[dict], add_generation_prompt: bool) -> str:
+def _format_vicuna(messages: list[dict], add_generation_prompt: bool) -> list:
     # FastChat's vicuna_v1.1: a user turn ends with " ", an assistant turn with "</s>"
     system = VICUNA_SYSTEM_PROMPT
     if messages and messages[0]["role"] == "system":
         system, messages = messages[0]["content"], messages[1:]
-    text = system + " "
+    parts = [system + " "]
     for m in messages:
-        text += f"USER: {m['content']} " if m["role"] == "user" else f"ASSISTANT: {m['content']}</s>"
-    return text + ("ASSISTANT:" if add_generation_prompt else "")
+        parts += [f"USER: {m['content']} "] if m["role"] == "user" else [f"ASSISTANT: {m['content']}", Marker("</s>")]
+    return parts + (["ASSISTANT:"] if add_generation_prompt else [])
 
 
 CHAT_FORMATTERS = {
@@ -290,18 +305,62 @@ CHAT_STOP_STRINGS: dict[str, list[str]] = {
 }
 
 
-def format_chat(family: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
-    """The prompt text for `messages` ([{"role": ..., "content": ...}]), without BOS."""
+def chat_parts(family: str, messages: list[dict], add_generation_prompt: bool = True) -> list:
+    """The prompt for `messages` ([{"role": ..., "content": ...}]) as parts: text, and Markers where the template
+    puts its special tokens. Without BOS."""
     if family not in CHAT_FORMATTERS:
         raise ValueError(f"unknown chat family {family!r}, expected one of {sorted(CHAT_FORMATTERS)}")
     return CHAT_FORMATTERS[family](messages, add_generation_prompt)
 
 
+def format_chat(family: str, messages: list[dict], add_generation_prompt: bool = True) -> str:
+    """The prompt text for `messages` ([{"role": ..., "content": ...}]), without BOS."""
+    return "".join(chat_parts(family, messages, add_generation_prompt))
+
+
+def check_text(text: str, what: str) -> str:
+    """text, if it is valid Unicode to tokenize. A lone surrogate comes from a JSON escape such as \\ud800, or stands for
+    a byte that is not UTF-8 (Python reads such command-line bytes as U+DC80..U+DCFF): the tokenizers refuse both."""
+    bad = next((i for i, c in enumerate(text) if "\ud800" <= c <= "\udfff"), None)
+    if bad is None:
+        return text
+    c = ord(text[bad])
+    if 0xDC80 <= c <= 0xDCFF:
+        raise UsageError(f"{what}: byte 0x{c - 0xDC00:02x} at character {bad} is not UTF-8")
+    raise UsageError(f"{what}: a lone surrogate U+{c:04X} at character {bad} is not Unicode text")
+
+
+def check_messages(messages) -> list:
+    """messages, if they are a conversation to tokenize: a list of {"role": str, "content": str}, every string Unicode."""
+    if not isinstance(messages, list) or not all(isinstance(m, dict) for m in messages):
+        raise UsageError(f"messages must be a list of {{\"role\": ..., \"content\": ...}} objects, got {messages!r:.60}")
+    for i, m in enumerate(messages):
+        for key in ("role", "content"):
+            if not isinstance(m.get(key), str):
+                raise UsageError(f"message {i + 1}'s {key} must be a string, got {m.get(key)!r:.60}")
+            check_text(m[key], f"message {i + 1}'s {key}")
+    return messages
+
+
 def encode_prompt(tokenizer: Tokenizer, args, messages: list[dict], chat: bool = True) -> list[int]:
-    """Token ids of a conversation for a model (args: its ModelArgs): BOS where the model wants one, then the
-    chat template around the messages (chat=False: their text as it is)."""
-    text = format_chat(args.chat_template if chat else "", messages)
-    return ([args.bos_token] if args.bos_token is not None else []) + tokenizer.encode(text)
+    """Token ids of a conversation for a model (args: its ModelArgs): BOS where the model wants one, then the chat
+    template around the messages. Only the template's own markers are special tokens: the messages are text, whatever
+    they hold (a user's "<|im_end|>" stays those characters and cannot end their turn). chat=False: the messages' text
+    as it is, a prompt its caller wrote whole, whose special-token texts are read as their tokens. UsageError for
+    messages that are not a conversation of Unicode text."""
+    check_messages(messages)
+    ids = [args.bos_token] if args.bos_token is not None else []
+    if not chat:
+        return ids + tokenizer.encode(format_chat("", messages))
+    text = ""  # the text since the last special token
+    for part in chat_parts(args.chat_template, messages):
+        special = tokenizer.special_id(part) if isinstance(part, Marker) else None
+        if special is None:
+            text += part
+            continue
+        ids += (tokenizer.encode(text, special=False) if text else []) + [special]
+        text = ""
+    return ids + (tokenizer.encode(text, special=False) if text else [])
 
 
 def detect_chat_family(chat_template: Optional[str], name: str = "") -> str:
@@ -323,15 +382,26 @@ def detect_chat_family(chat_template: Optional[str], name: str = "") -> str:
 
 
 class StreamDecoder:
-    """Turns the growing id list of a generation into printable text increments."""
+    """A generation's ids in, its text out as it grows, decoding a few tokens at a time (never the whole answer again):
+    each push decodes from the token before the last text it returned, so that a word's leading space and a character
+    split across byte tokens come out as the whole answer's decode would give them."""
 
     def __init__(self, tokenizer: Tokenizer):
         self.tokenizer = tokenizer
-        self.printed = 0  # characters already returned
+        self.ids, self.prefix, self.read = [], 0, 0  # ids[prefix:read] decoded already: the context of the next piece
 
-    def push(self, ids: list[int]) -> str:
-        # a multi-byte character split across byte tokens decodes to trailing U+FFFD until its last byte arrives
-        text = self.tokenizer.decode(ids).rstrip("\ufffd")
-        new_text = text[self.printed:]
-        self.printed = len(text)
-        return new_text
+    def push(self, new_ids: list) -> str:
+        """The text the new ids add (a multi-byte character split across byte tokens waits for its last byte)."""
+        self.ids += new_ids
+        before = self.tokenizer.decode(self.ids[self.prefix:self.read])
+        text = self.tokenizer.decode(self.ids[self.prefix:])
+        if len(text) <= len(before) or text.endswith("\ufffd"):
+            return ""
+        self.prefix, self.read = self.read, len(self.ids)
+        return text[len(before):]
+
+    def flush(self) -> str:
+        """The text still held back (an incomplete character at the end of the answer, as the whole decode gives it)."""
+        before, text = self.tokenizer.decode(self.ids[self.prefix:self.read]), self.tokenizer.decode(self.ids[self.prefix:])
+        self.prefix = self.read = len(self.ids)
+        return text[len(before):]

@@ -59,12 +59,18 @@ def exit_with(main):
     stops the others). Why: a live gloo group left to interpreter shutdown aborted a rank about one run
     in thirty ("terminate called without an active exception", SIGABRT): its C++ threads and store were
     torn down by static destructors while the peer rank still talked to them. Ctrl-C: interrupt.leave, one line and
-    status 130 on every rank (no barrier: the others are interrupted too, or torchrun stops them)."""
+    status 130 on every rank (no barrier: the others are interrupted too, or torchrun stops them). A stdout that cannot
+    be written (its reader gone, a full disk): interrupt.leave_without_stdout, the same way."""
+    interrupt.watch_stdout()
     try:
         status = main()
+        if sys.stdout is not None:
+            sys.stdout.flush()  # what main printed is written here, where a failure is still this function's to report
     except KeyboardInterrupt:
         interrupt.leave()
-    except BaseException:
+    except BaseException as e:
+        if failed := interrupt.stdout_failed(e):
+            interrupt.leave_without_stdout(failed)
         if not dist.is_initialized():
             raise
         traceback.print_exc()

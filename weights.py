@@ -8,9 +8,11 @@ from pathlib import Path
 import torch
 
 import atomic
+import interrupt
 import quant
 from draft import DraftHead, Eagle3Head, EagleHead
-from model import ModelArgs, eagle3_taps, one_line
+from errors import one_line
+from model import ModelArgs, eagle3_taps
 
 
 def load_state(path: Path) -> dict:
@@ -20,9 +22,10 @@ def load_state(path: Path) -> dict:
     from safetensors.torch import load_file
 
     try:
-        if path.suffix == ".safetensors":
-            return load_file(str(path))
-        return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
+        with interrupt.held():  # Ctrl-C here is an interrupt, never a damaged file
+            if path.suffix == ".safetensors":
+                return load_file(str(path))
+            return torch.load(str(path), map_location="cpu", weights_only=True, mmap=True)
     except (SafetensorError, RuntimeError, EOFError, ValueError, pickle.UnpicklingError) as e:
         raise ValueError(f"{path} is truncated or not a weights file ({one_line(e)})") from None
 

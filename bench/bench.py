@@ -22,11 +22,12 @@ import quant
 import sizing
 import tp
 from bench import cycle_split, peers
-from checkpoint import UsageError, UsageParser, default_checkpoint
+from checkpoint import default_checkpoint
 from compiling import sizing_compile
 from draft import EagleHead
 import eaglet
 from eaglet import Generator, Result, acceptance_metrics, check_options, check_sampling, load_generator, prefill
+from errors import UsageError, UsageParser
 from model import ModelArgs, Transformer, find_multiple
 from prompts import MT_BENCH, load_conversations
 from speculate import CHAINS, TreeSpec

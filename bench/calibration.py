@@ -14,8 +14,8 @@ import torch
 import atomic
 import spectree
 import tp
-from checkpoint import UsageError, UsageParser
 from eaglet import GREEDY, Generator, acceptance_metrics, load_generator
+from errors import UsageError, UsageParser
 from prompts import MT_BENCH, load_conversations
 from tokenizer import encode_prompt
 

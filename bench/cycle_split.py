@@ -94,17 +94,10 @@ def part(name: str, shapes: list, target_rows: int) -> str:
 def start(gen, prompt: list, sampling):
     """The prompt's prefill, then -> a function that runs one compiled cycle (or decode step) as Generator.answer
     calls it, nothing else."""
-    r = gen.generate(prompt, 1, sampling, stop_ids=set())
-    if gen.spec is None:
-        state = {"token": torch.tensor(r.token_ids[-1:]), "pos": len(prompt)}
-
-        def decode_step():
-            state["token"] = gen.decode_one(gen.target, state["token"], torch.tensor([state["pos"]]), sampling)
-            state["pos"] += 1
-            return state["token"].tolist()
-        return decode_step
-    args = (gen.target, gen.head if gen.head is not None else gen.draft_model, gen.state, gen.spec, sampling)
-    return lambda: gen.cycle(*args).tolist()
+    gen.generate(prompt, 1, sampling, stop_ids=set())  # the state holds the prompt, its first token and the rule
+    step = gen.step("cycle" if gen.spec else "plain", sampling.kind)
+    args = (gen.target, gen.drafter, gen.state, gen.spec, sampling.kind)
+    return lambda: step(*args).tolist()
 
 
 @torch.inference_mode()
@@ -116,14 +109,13 @@ def split(gen, tokenizer, prompts: list, max_new_tokens: int, sampling) -> dict:
     encoded = [encode_prompt(tokenizer, gen.target.args, [{"role": "user", "content": p}]) for p in prompts]
     gen.generate(encoded[0], max_new_tokens, sampling)  # built and warm
     whole, steps, begin = 0.0, 0, [0.0]
-    if gen.spec:  # the head's pass over the prompt (Generator._start), between the prefill and the first cycle
-        gen._start = timed(gen._start, begin)
+    if gen.spec:  # the head's pass over the prompt (Generator.start), between the prefill and the first cycle
+        gen.start = timed(gen.start, begin)
     for p in encoded:
         r = gen.generate(p, max_new_tokens, sampling, stop_ids=set())
-        whole += r.seconds - r.prefill_seconds
+        whole += r.seconds - r.prefill_seconds  # the prefill's seconds hold the head's prompt pass (Generator.begin)
         steps += r.cycles if gen.spec else len(r.token_ids) - 1
-    vars(gen).pop("_start", None)
-    whole -= begin[0]
+    vars(gen).pop("start", None)
     per = max(steps // len(encoded), 1)
     n, alone, events = per * len(encoded), 0.0, []
     for p in encoded:

@@ -1,7 +1,9 @@
 # The Gumbels of float32 uniforms, the noise sampling.gumbel replaced, and bench.py run with them in the cycle: the other
-# side of docs/results.md's T=1 comparison of the two noises (noise_cost.py times them alone). Compiled steps are saved
-# by the source they run, not by this swap, so the run keeps its own under $EAGLET_CACHE/float32-noise, beside the real
-# ones; the machine's measurements are copied there and the checkpoints linked, so both sides run the same tree.
+# side of docs/cpu.md's T=1 comparison of the two noises (noise_cost.py times them alone). They stand in for the keyed
+# float64 ones (sampling.keyed_gumbel), so a seed no longer fixes the draws: the speed and tau are what this compares.
+# Compiled steps are saved by the source they run, not by this swap, so the run keeps its own under
+# $EAGLET_CACHE/float32-noise, beside the real ones; the machine's measurements are copied there and the checkpoints
+# linked, so both sides run the same tree.
 #
 #   python bench/float32_noise.py --modes none,eagle2 --compile --num-prompts 12 --max-new-tokens 128 --temperature 1
 import os
@@ -37,11 +39,11 @@ def own_cache() -> Path:
 
 def main():
     os.environ["EAGLET_CACHE"] = str(own_cache())
-    import speculate
+    import sampling
     from bench.float32_noise import gumbel32  # by its module's name: a saved step checks its functions' source there,
     # and __main__ is bench.py once it runs
 
-    speculate.gumbel = gumbel32
+    sampling.keyed_gumbel = lambda keys, width: gumbel32((*keys.shape, width), keys.device)
     sys.argv[0] = str(ROOT / "bench" / "bench.py")
     runpy.run_path(sys.argv[0], run_name="__main__")
 

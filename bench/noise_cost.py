@@ -76,14 +76,14 @@ def main():
             logits = torch.randn(m + 1, opts.vocab) * 3
             depths = torch.arange(m + 1) % 7
             noise = fn((7, opts.vocab), "cpu")
-            row.append(ms(lambda: sampling.draw(logits, 1.0, noise=noise[depths]), opts.reps))
+            row.append(ms(lambda: sampling.draw(logits, "sample", None, noise[depths]), opts.reps))
         print(f"  eager {name:<38}" + "".join(f"{t:9.3f}" for t in row))
         if opts.compile:
             row = []
             for m in (8, 16, 60):
                 logits = torch.randn(m + 1, opts.vocab) * 3
                 depths = torch.arange(m + 1) % 7
-                step = torch.compile(own(lambda logits, depths: sampling.draw(logits, 1.0, noise=fn((7, opts.vocab), "cpu")[depths])),
+                step = torch.compile(own(lambda logits, depths: sampling.draw(logits, "sample", None, fn((7, opts.vocab), "cpu")[depths])),
                                      fullgraph=True, dynamic=False)
                 row.append(ms(lambda: step(logits, depths), opts.reps))
             print(f"  compiled, noise drawn in the graph, {name:<9}" + "".join(f"{t:9.3f}" for t in row))

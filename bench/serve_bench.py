@@ -18,7 +18,7 @@ import time  # noqa: E402
 
 import atomic  # noqa: E402
 import tp  # noqa: E402
-from checkpoint import UsageError, UsageParser  # noqa: E402
+from errors import UsageError, UsageParser  # noqa: E402
 
 REPO = Path(sys.path[0])
 MT_BENCH = REPO / "data" / "mt_bench.jsonl"

@@ -4,14 +4,15 @@
 # measurement and compiled steps saved per machine (inductor.py). Off a CPU every hook keeps ops.py's own behaviour.
 # Why each piece: docs/cpu.md.
 import torch
+from torch.fx.experimental.symbolic_shapes import statically_known_true
 
 import ops
 from cpu import hugepages, inductor, kernels, linears, threads
 from draft import DraftHead
-from sampling import Sampling, uniform
+from model import FEW_QUERIES
 
 PLAIN = {name: getattr(ops, name) for name in ("prepare", "inductor_settings", "step_compiler", "pacing", "random_bits",
-                                             "lm_head_draw")}  # ops.py's own, off a CPU and as the fallbacks
+                                             "keyed_bits", "live_width")}  # ops.py's own, off a CPU and as the fallbacks
 
 
 def prepare(compile, target, *drafters):
@@ -48,18 +49,36 @@ def pacing(device: torch.device):
     return threads.pacing() if device.type == "cpu" else PLAIN["pacing"](device)
 
 
-def lm_head_draw(output, h: torch.Tensor, rule: Sampling, noise=None, rows=None) -> torch.Tensor:
-    """ops.lm_head_draw on a CPU: a draw that is an argmax (greedy, or Gumbel noise without top-k or top-p) from the LM
-    head's int8 screen where it has one, for up to kernels.SCREEN_MAX_ROWS rows (kernels.lm_head_argmax: the exact
-    logits' token, few of them computed); a plain sample by eaglet::sample; else sampling's own draw."""
-    t, plain = rule.temperature, not rule.top_k and rule.top_p >= 1.0
-    few = h.numel() <= kernels.SCREEN_MAX_ROWS * h.shape[-1]
-    if linears.screens(output) and few and (not t or (noise is not None and plain)):
-        return kernels.lm_head_argmax(output, h, 1.0 / (t or 1.0), noise, rows if noise is not None else None)
-    if not (t and plain and noise is None):
-        return PLAIN["lm_head_draw"](output, h, rule, noise, rows)
-    logits = output(h)
-    return kernels.sample(logits, t, uniform(logits.shape[:-1], logits.device)) if kernels.serves(logits) else rule.draw(logits)
+def lm_head_argmax(output, h: torch.Tensor, noise=None, rows=None):
+    """ops.lm_head_argmax on a CPU: from the LM head's int8 screen where it has one (kernels.lm_head_argmax: the exact
+    logits' token, few of them computed), for up to kernels.SCREEN_MAX_ROWS rows."""
+    if linears.screens(output) and h.numel() <= kernels.SCREEN_MAX_ROWS * h.shape[-1]:
+        return kernels.lm_head_argmax(output, h, 1.0, noise, rows)
+    return None
+
+
+def keyed_bits(keys: torch.Tensor, width: int) -> torch.Tensor:
+    """ops.keyed_bits on a CPU: eaglet::random_bits, the same SplitMix64 counter in C++, for wide tables."""
+    if kernels.BUILT and keys.device.type == "cpu" and width >= kernels.RANDOM_BITS_MIN:
+        return torch.ops.eaglet.random_bits(keys, [width])
+    return PLAIN["keyed_bits"](keys, width)
+
+
+def live_width(last_slot: torch.Tensor, length: int) -> int:
+    """ops.live_width on a CPU: the slots up to last_slot, the largest of a batch's (ops.batch_max); one graph for every
+    width (an unbacked size when compiled)."""
+    if last_slot.device.type != "cpu":
+        return PLAIN["live_width"](last_slot, length)
+    width = int(ops.batch_max(last_slot).item()) + 1
+    torch._check(width >= 1)
+    torch._check(width <= length)
+    return width
+
+
+def few_queries(q: torch.Tensor) -> bool:
+    """ops.few_queries on a CPU: SDPA tiles over queries, slow when few (a verify's 16); attend_few up to
+    model.FEW_QUERIES (statically_known_true: a graph for any number of rows, the prefill, keeps SDPA)."""
+    return q.device.type == "cpu" and statically_known_true(q.shape[2] <= FEW_QUERIES)
 
 
 def random_bits(shape, device) -> torch.Tensor:
@@ -70,6 +89,7 @@ def random_bits(shape, device) -> torch.Tensor:
 
 
 ops.register(attends=kernels.attends, attend=kernels.attend, argmax=kernels.argmax, topk=kernels.topk,
-             lm_head_draw=lm_head_draw, random_bits=random_bits, choose=inductor.choose, prepare=prepare,
+             lm_head_argmax=lm_head_argmax, random_bits=random_bits, keyed_bits=keyed_bits, live_width=live_width,
+             few_queries=few_queries, choose=inductor.choose, prepare=prepare,
              inductor_settings=inductor_settings, step_compiler=step_compiler, kernel_name=linears.packed_kernel,
              pacing=pacing, watch_load=threads.watch_load)

@@ -30,7 +30,8 @@ import tp
 import weights
 from compiling import compiled
 from cpu import kernels, linears
-from model import KVCache, ModelArgs, Transformer, causal_mask, one_line
+from errors import one_line
+from model import KVCache, ModelArgs, Transformer, causal_mask
 from progress import ticking
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -274,12 +275,11 @@ def source_digest() -> str:
 
 
 def package_key(name: str, args: tuple, dynamic, layered: bool = False) -> str:
-    import torch._inductor.config as inductor_config
-
-    settings = {k: getattr(inductor_config, k) for k in CPU_INDUCTOR}
+    # The settings precompiled's compile sets (compiling.compiled, frozen None), not the process's current ones: those
+    # are Inductor's defaults until some graph compiles, so a process that loads every step would key them apart.
     # Whether the bf16 kernels are registered in this process decides what the trace calls (ops.attend, ops.argmax): a
     # step traced with them must not load where they are not (a process that never prepared a bf16 model).
-    parts = [name, f"dynamic {dynamic} layered {layered}", machine(), source_digest(), repr(sorted(settings.items())),
+    parts = [name, f"dynamic {dynamic} layered {layered}", machine(), source_digest(), repr(sorted(settings(None).items())),
              f"kernels {kernels.BUILT}"] + [describe(a) for a in args]
     return hashlib.blake2b("\n".join(parts).encode(), digest_size=20).hexdigest()
 
@@ -310,8 +310,10 @@ def precompiled(name: str, fn, args: tuple, dynamic=False, log=print, layered: b
         # the layers' graphs are inlined, one flat graph as for every other step.
         flat = layered and any(type(m) is linears.PackedLinear for a in args if isinstance(a, torch.nn.Module) for m in a.modules())
         options = {"guard_filter_fn": guards} | ({"cpp_wrapper": False} if layered and not flat else {})
-        # Floats stay constants: a symbolic float makes the trace restart, which a precompile cannot do.
-        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True, inline_invoke_subgraph=flat), ticking(f"compiling the {name.replace('_', ' ')}", log):
+        # Floats stay constants: a symbolic float makes the trace restart, which a precompile cannot do. Sizes are
+        # dynamic only where marked (a batch's rows): automatic dynamic shapes, which go by source location, would make
+        # a second tree's sizes symbolic.
+        with torch.inference_mode(), torch._dynamo.config.patch(specialize_float=True, inline_invoke_subgraph=flat, automatic_dynamic_shapes=False), ticking(f"compiling the {name.replace('_', ' ')}", log):
             step = compiled(fn, "cpu", options=options, dynamic=dynamic).aot_compile((args, {}))
         seconds = time.perf_counter() - t0
         log(f"compiled the {name.replace('_', ' ')} in {seconds:.1f} s")

@@ -14,7 +14,7 @@ import torch
 import torch.nn as nn
 from torch import Tensor
 
-from model import one_line
+from errors import one_line
 from progress import ticking
 
 LANES = 16  # outputs a vector holds (fp32 accumulators)

@@ -19,15 +19,19 @@ import checkpoint
 import dtypes
 import eaglet
 import generate
+import ops
+import sampling
 import sizing
 from bench import bench
-from checkpoint import UsageError
 from cpu import inductor
 from convert_hf_checkpoint import convert_hf
 from draft import EagleHead
+from errors import UsageError
 from hf_fixtures import write_gguf, write_hf_llama
 from sampling import Sampling
+from speculate import SpecState
 from tokenizer import load_tokenizer
+import weights
 from weights import save_head
 
 REPO = Path(__file__).resolve().parents[1]
@@ -35,9 +39,12 @@ REPO = Path(__file__).resolve().parents[1]
 
 @pytest.fixture(autouse=True)
 def own_cache(tmp_path, monkeypatch):
-    """Every test (and the subprocesses it starts) measures into its own cache directory."""
+    """Every test (and the subprocesses it starts) measures into its own cache directory. In this process the machine
+    counts as quiet: on a shared machine a busy moment would keep a measurement out of the cache with a warning line of
+    its own (cachedir.store), and the tests here count the warnings a damaged or unwritable cache gives."""
     monkeypatch.setenv("EAGLET_CACHE", str(tmp_path / "eaglet-cache"))
     monkeypatch.setattr(cachedir, "_warned", set())
+    monkeypatch.setattr(ops, "watch_load", lambda: lambda: None)
     return tmp_path / "eaglet-cache"
 
 
@@ -356,6 +363,50 @@ def test_generate_batch_refuses_an_empty_batch_and_bad_prompts(gen, prompts, mes
         gen.generate_batch(prompts, 4)
 
 
+@pytest.mark.parametrize("messages, message", [
+    ("\ud800", "message 1's content: a lone surrogate U+D800 at character 0 is not Unicode text"),
+    ([{"role": "user", "content": "fine"}, {"role": "assistant", "content": "caf\udce9"}], "message 2's content: byte 0xe9 at character 3 is not UTF-8"),
+    ([{"role": "\udc80", "content": "hi"}], "message 1's role: byte 0x80 at character 0 is not UTF-8"),
+    ([{"role": "user", "content": None}], "message 1's content must be a string, got None"),
+    ([{"role": "user"}], "message 1's content must be a string, got None"),
+    ([("user", "hi")], 'messages must be a list of {"role": ..., "content": ...} objects'),
+    (5, 'messages must be a list of {"role": ..., "content": ...} objects, got 5'),
+])
+def test_chat_refuses_messages_that_are_not_unicode_text(gen, messages, message):
+    with pytest.raises(UsageError) as e:
+        gen.chat(messages, max_new_tokens=4)
+    assert message in str(e.value) and "\n" not in str(e.value)
+
+
+def test_a_prompt_with_a_lone_surrogate_is_refused_before_loading(dirs, capsys, no_loading):
+    root, _ = dirs
+    assert_one_error(cli(capsys, generate.main, "--checkpoint", root / "ckpt", "--prompt", "ok", "--prompt", "\ud83d!"),
+                     "--prompt: a lone surrogate U+D83D at character 0 is not Unicode text")
+
+
+def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(dirs, gen, capsys):
+    """top_p 1e-300 rounds to 0 in float32, where every token's mass before it reaches it: it samples what any tiny
+    top_p does, the most likely token, from Python and from the command line."""
+    logits = torch.randn(6, 320, generator=torch.Generator().manual_seed(0))
+    for top_p in (1e-300, 1e-6):
+        rule = Sampling(temperature=1.0, top_p=top_p)
+        assert torch.equal(rule.probs(logits), torch.nn.functional.one_hot(logits.argmax(-1), 320).float())
+        st = SpecState(None, 8, "cpu")  # a step reads the rule from its state's buffers
+        st.set_rule(rule, sampling.key_of(0))
+        for noise in (torch.zeros(6, 320, dtype=torch.float64), sampling.noise(st, torch.tensor(0), 6, 320)):
+            assert torch.equal(sampling.draw(logits, rule.kind, st, noise), logits.argmax(-1))
+    greedy = gen.generate([1, 2, 3], 8).token_ids
+    assert gen.generate([1, 2, 3], 8, Sampling(temperature=1.0, top_p=1e-300)).token_ids == greedy
+    root, _ = dirs
+    answers = []
+    for flags in ([], ["--temperature", "1", "--top-p", "1e-300"]):
+        capsys.readouterr()
+        assert generate.main(["--dtype", "float32", "--checkpoint", str(root / "ckpt"), "--no-chat", "--prompt", "Once upon a time",
+                              "--max-new-tokens", "8", "--json", *flags]) == 0
+        answers.append(json.loads(capsys.readouterr().out)["token_ids"])
+    assert answers[1] == answers[0] and len(answers[0]) > 1
+
+
 def test_load_generator_refuses_a_dtype_it_cannot_run(dirs, no_loading):
     root, _ = dirs
     for dtype in ("int8", torch.int8, "float64"):
@@ -492,6 +543,34 @@ def test_default_model_conversion_on_a_full_disk(dirs, own_cache, capsys, monkey
         eaglet.load_generator(speculate="none", dtype="float32")
 
 
+# ---------------------------------------------------------------- an output that cannot be written
+
+@pytest.mark.parametrize("output, flags, unbuffered", [("closed pipe", [], True), ("closed pipe", ["--json"], False),
+                                                       ("/dev/full", [], False), ("/dev/full", ["--json"], True)])
+def test_an_output_that_cannot_be_written_ends_without_a_traceback(dirs, output, flags, unbuffered):
+    """`generate.py | head -c 1` (its reader gone) exits quietly with status 141, as a command killed by SIGPIPE does;
+    `generate.py > /dev/full` says so in one line, status 1. Streamed or one JSON object, stdout buffered or not."""
+    root, _ = dirs
+    if output == "/dev/full" and not Path("/dev/full").exists():
+        pytest.skip("needs Linux's /dev/full")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONUNBUFFERED"} | ({"PYTHONUNBUFFERED": "1"} if unbuffered else {})
+    if output == "closed pipe":
+        read, write = os.pipe()
+        os.close(read)  # the reader is gone before the first write: every write fails
+    else:
+        write = os.open("/dev/full", os.O_WRONLY)
+    try:
+        r = subprocess.run([sys.executable, "generate.py", "--dtype", "float32", "--checkpoint", str(root / "ckpt"), "--no-chat",
+                            "--prompt", "Once upon a time", "--max-new-tokens", "8", *flags], cwd=REPO, stdout=write,
+                           stderr=subprocess.PIPE, text=True, env=env, timeout=120)
+    finally:
+        os.close(write)
+    if output == "closed pipe":
+        assert (r.returncode, shown(r.stderr)) == (141, []), r.stderr[-2000:]
+    else:
+        assert (r.returncode, shown(r.stderr)) == (1, ["error: cannot write the output: No space left on device"]), r.stderr[-2000:]
+
+
 # ---------------------------------------------------------------- Ctrl-C: status 130, one line, no traceback
 
 CLIS = ["generate.py", "bench/bench.py", "convert_hf_checkpoint.py", "quantize.py", "train/train_draft.py", "bench/calibration.py"]
@@ -500,14 +579,14 @@ CLIS = ["generate.py", "bench/bench.py", "convert_hf_checkpoint.py", "quantize.p
 SLOW_STEPS = """
 import interrupt, runpy, sys, time
 import generator
-step = generator.decode_one
+step = generator.plain_step
 def slow(*args):
     if not getattr(slow, "said", False):
         slow.said = True
         print("generating", file=sys.stderr, flush=True)
     time.sleep(0.05)
     return step(*args)
-generator.decode_one = slow
+generator.plain_step = slow
 sys.argv = ["generate.py"] + sys.argv[1:]
 runpy.run_path("generate.py", run_name="__main__")
 """
@@ -556,6 +635,51 @@ def ctrl_c(proc, timeout: float = 120) -> tuple:
 
 def assert_interrupted(status, err):
     assert status == 130 and shown(err) == ["interrupted"], (status, err[-3000:])
+
+
+def test_ctrl_c_while_weights_load_is_an_interrupt_not_a_damaged_file(tmp_path):
+    """safetensors makes each tensor through torch from its Rust loop; a KeyboardInterrupt raised in there came out as
+    torch's ValueError, which loading reported as "model.safetensors is truncated or not a weights file" (and a user
+    might delete a good file). Ctrl-C at a hundred points inside real loads: each one is a KeyboardInterrupt."""
+    from safetensors.torch import save_file
+
+    path = tmp_path / "model.safetensors"
+    save_file({f"w{i}": torch.full((4,), float(i)) for i in range(400)}, str(path))
+    fastest = min(timed(weights.load_state, path) for _ in range(5))
+
+    def load_interrupted_after(delay: float) -> str:
+        outcome = "loaded"
+        try:
+            try:
+                signal.setitimer(signal.ITIMER_REAL, delay)  # SIGALRM, relayed as a real SIGINT
+                weights.load_state(path)
+            except KeyboardInterrupt:
+                outcome = "interrupted"
+            except ValueError as e:
+                outcome = str(e)
+            signal.setitimer(signal.ITIMER_REAL, 0)
+            time.sleep(0.01)  # a Ctrl-C that came after the load lands here
+        except KeyboardInterrupt:
+            pass
+        return outcome
+
+    relay = signal.signal(signal.SIGALRM, lambda *_: os.kill(os.getpid(), signal.SIGINT))
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's own, as in a command line
+    try:
+        outcomes = [load_interrupted_after(fastest * 0.5 * (i + 1) / 101) for i in range(100)]  # all inside a load
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, relay)
+        signal.signal(signal.SIGINT, handler)
+    assert not [o for o in outcomes if o not in ("loaded", "interrupted")], sorted(set(outcomes))[:3]
+    assert outcomes.count("interrupted") >= 50, outcomes.count("interrupted")
+    assert weights.load_state(path)["w399"][0] == 399  # and the file was good all along
+
+
+def timed(fn, *args) -> float:
+    start = time.perf_counter()
+    fn(*args)
+    return time.perf_counter() - start
 
 
 @pytest.mark.skipif(not Path("/proc/self/maps").exists(), reason="the marker is torch's library in /proc/PID/maps")

@@ -16,6 +16,7 @@ from torch._inductor.utils import run_and_get_code
 
 import generator
 import spectree
+import speculate
 from cpu import inductor, kernels
 from eaglet import Generator
 from sampling import Sampling
@@ -123,7 +124,7 @@ def test_many_tree_shapes_in_one_process_each_get_their_own_compile_cache(tiny_a
     for spec in specs:
         gen = Generator(target, spec, head=head, compile=True)
         assert gen.generate(prompt, 12, Sampling()).token_ids == reference
-        cycles.append(gen.cycle)
+        cycles.append(gen.step("cycle", "greedy"))
     assert len(specs) >= 13
     assert len({id(c._torchdynamo_orig_callable.__code__) for c in cycles}) == len(specs)  # one cache each
 
@@ -186,19 +187,20 @@ def test_the_warm_up_after_a_build_puts_the_random_state_back_and_leaves_nothing
     # and a chat's next turn must not reuse the caches that answer wrote.
     args = tiny_args()
     gen = Generator(random_model(args, seed=0), TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=random_head(args, seed=1), compile=True)
-    prompt, hot = prompts([9])[0], Sampling(temperature=1.0)
+    prompt, hot, cut = prompts([9])[0], Sampling(temperature=1.0), Sampling(temperature=1.0, top_k=8)
 
-    def answer(reuse=False):
+    def answer(rule=hot, reuse=False):
         torch.manual_seed(7)
-        return gen.generate(prompt, 24, hot, stop_ids=set(), reuse=reuse)
+        return gen.generate(prompt, 24, rule, stop_ids=set(), reuse=reuse)
     first = answer()  # builds the T=1 steps and warms them up, then answers
     assert answer().token_ids == first.token_ids  # no build this time: the same draws
     gen.generate(prompt, 8, Sampling(), stop_ids=set())  # greedy: built and warmed up, an answer a next turn could reuse
-    again = answer(reuse=True)  # T=1 again: built (loaded) and warmed up anew, over those caches
-    assert again.prefilled == len(prompt) and again.token_ids == first.token_ids
+    again = answer(cut, reuse=True)  # a top-k rule: its steps built (loaded) and warmed up now, over those caches
+    assert again.prefilled == len(prompt) and again.token_ids == answer(cut).token_ids
+    assert answer(reuse=True).prefilled < len(prompt)  # built already: this next turn reuses what the last answer left
 
 
-def test_a_compiled_vanilla_answer_runs_one_graph_and_compiles_nothing_inside_its_loop(tiny_args, random_model, single_thread):
+def test_a_compiled_vanilla_answer_runs_one_graph_and_compiles_nothing_inside_its_loop(tiny_args, random_model, single_thread, monkeypatch):
     """N tokens of compiled vanilla decoding: Dynamo traces and Inductor compiles nothing once the answer has started
     (its counters stand still), the decode step is called N - 1 times and every call runs the one compiled graph the
     build made, never the eager function (a step that fell back or recompiled inside the loop would show here), and a
@@ -206,20 +208,20 @@ def test_a_compiled_vanilla_answer_runs_one_graph_and_compiles_nothing_inside_it
     from torch._dynamo.utils import counters
 
     gen = Generator(random_model(tiny_args(), seed=0), compile=True)
-    gen.build(Sampling())
-    step, calls, eager_calls = gen.decode_one, [], []
-    assert step is not generator.decode_one  # the compiled step was kept
-    gen.decode_one = lambda *a: calls.append(1) or step(*a)
-    monkey = generator.decode_one
-    generator.decode_one = lambda *a: eager_calls.append(1) or monkey(*a)
-    try:
-        before = (dict(counters["stats"]), dict(counters["inductor"]))
-        n = 40
-        out = gen.generate(prompts([9])[0], n, Sampling(), stop_ids=set())
-        assert len(out.token_ids) == n and len(calls) == n - 1 and not eager_calls
-        assert (dict(counters["stats"]), dict(counters["inductor"])) == before
-    finally:
-        generator.decode_one = monkey
+    gen.build("greedy")
+    assert gen.step("plain", "greedy") is not generator.plain_step  # the compiled step was kept
+    calls, eager_calls, bind = [], [], gen.step
+
+    def step(name, *a, **kw):  # the steps as the answer binds them, each call of the decode step counted
+        fn = bind(name, *a, **kw)
+        return (lambda *args: calls.append(1) or fn(*args)) if name == "plain" else fn
+    gen.step = step
+    monkeypatch.setattr(generator, "plain_step", lambda *a: eager_calls.append(1) or speculate.plain_step(*a))
+    before = (dict(counters["stats"]), dict(counters["inductor"]))
+    n = 40
+    out = gen.generate(prompts([9])[0], n, Sampling(), stop_ids=set())
+    assert len(out.token_ids) == n and len(calls) == n - 1 and not eager_calls
+    assert (dict(counters["stats"]), dict(counters["inductor"])) == before
 
 
 @pytest.mark.parametrize("spec", [None, TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3)], ids=["none", "eagle2"])
@@ -257,7 +259,7 @@ target, head = _random_model(args, 0), _random_head(args, 1)
 spec = dict(none=None, eagle2=TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8, lookup_slots=3))[sys.argv[1]]
 prompts = (list(range(3, 12)), list(range(40, 3, -3)))
 gen = Generator(target, spec, head if spec else None, compile=True)
-gen.build(Sampling())
+gen.build("greedy")
 graphs = counters["stats"]["unique_graphs"]
 tokens = [gen.generate(p, 24, Sampling()).token_ids for p in prompts]
 eager = [Generator(target, spec, head if spec else None).generate(p, 24, Sampling()).token_ids for p in prompts]
@@ -309,7 +311,7 @@ def test_a_step_traced_with_the_bf16_kernels_is_not_loaded_where_they_are_not_re
     with_kernels, _ = run_warm_start(tmp_path, "none", "kernels")
     without, _ = run_warm_start(tmp_path, "none")
     assert with_kernels["compile_s"] > 0 and without["compile_s"] > 0 and without["tokens"] == with_kernels["tokens"]
-    assert len(list((tmp_path / inductor.PACKAGES).glob("decode_step-*.pt2"))) == 2
+    assert len(list((tmp_path / inductor.PACKAGES).glob("greedy_plain-*.pt2"))) == 2
 
 
 COMPILE_MAX = """

@@ -608,9 +608,10 @@ def test_lm_head_argmax_in_compiled_and_vmapped_graphs():
 
 
 def test_draws_read_the_screen_and_decode_as_the_logits_do(monkeypatch):
-    """A bf16 target's draws go through its LM head's screen (ops.lm_head_draw), greedy and with a tree's Gumbel
+    """A bf16 target's draws go through its LM head's screen (sampling.lm_head_draw), greedy and with a tree's Gumbel
     noise, never with top-p; without the screen (every logit computed, then drawn) vanilla decoding gives the same tokens."""
-    import ops
+    from types import SimpleNamespace
+
     from conftest import _random_model, _tiny_args
     from eaglet import Generator
 
@@ -621,19 +622,20 @@ def test_draws_read_the_screen_and_decode_as_the_logits_do(monkeypatch):
     got = gen.generate([1, 2, 3], max_new_tokens=24).token_ids
     assert len(calls) == 24  # the prefill's token and every decode step's
     h = torch.randn(3, 64).bfloat16()
-    noise = sampling.gumbel((3, 512), "cpu")
-    assert torch.equal(ops.lm_head_draw(target.output, h, sampling.Sampling(0.8), noise),
-                       (one_row_logits(target.output, h).double() / 0.8 + noise).argmax(-1))
+    noise = 0.8 * sampling.gumbel((3, 512), "cpu")  # the Gumbels times the temperature, as sampling.noise gives them
+    assert torch.equal(sampling.lm_head_draw(target.output, h, "sample", None, noise),
+                       (one_row_logits(target.output, h).double() + noise).argmax(-1))
     assert len(calls) == 25
     depths = torch.tensor([1, 0, 1])  # a table's rows, one picked for each of h's rows
     for screen in (True, False):
         monkeypatch.setattr(linears, "screens", lambda output, screen=screen: screen)
-        assert torch.equal(ops.lm_head_draw(target.output, h, sampling.Sampling(0.8), noise[:2], depths),
-                           (one_row_logits(target.output, h).double() / 0.8 + noise[depths]).argmax(-1))
+        assert torch.equal(sampling.lm_head_draw(target.output, h, "sample", None, noise[:2], depths),
+                           (one_row_logits(target.output, h).double() + noise[depths]).argmax(-1))
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "lm_head_argmax", lambda *a: calls.append(a) or screened(*a))
     assert len(calls) == 26
-    ops.lm_head_draw(target.output, h, sampling.Sampling(0.8, top_p=0.9), noise)  # top-p needs every logit
+    rule = SimpleNamespace(temperature=torch.tensor([0.8]), top_k=torch.tensor([0]), top_p=torch.tensor([0.9]))  # a state's
+    sampling.lm_head_draw(target.output, h, "truncate", rule, noise)  # top-p needs every logit
     assert len(calls) == 26
     monkeypatch.setattr(linears, "screens", lambda output: False)
     assert gen.generate([1, 2, 3], max_new_tokens=24).token_ids == got and len(calls) == 26

@@ -88,7 +88,7 @@ def test_write_requests_skips_holdout(tiny, tmp_path, monkeypatch):
 def test_one_writer_per_data_dir(tiny, tmp_path):
     import fcntl
 
-    from checkpoint import UsageError
+    from errors import UsageError
 
     with open(tmp_path / ".lock", "w") as held:
         fcntl.flock(held, fcntl.LOCK_EX | fcntl.LOCK_NB)

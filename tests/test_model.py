@@ -7,7 +7,8 @@ import torch
 import torch.nn.functional as F
 
 import compiling
-from model import ModelArgs, apply_rope, attend_few, causal_mask, eagle3_taps, live_width, rope_at, rope_table
+import ops
+from model import ModelArgs, apply_rope, attend_few, causal_mask, eagle3_taps, rope_at, rope_table
 
 
 def test_taps_return_the_states_entering_those_layers(tiny_args, random_model):
@@ -117,4 +118,4 @@ def test_a_cpu_pass_reads_only_the_live_part_of_the_cache(tiny_args, random_mode
                 outputs.append([passes(idx[:, s:s + 1], torch.arange(s, s + 1)) for s in (9, 10, 11)])
     for clean, poisoned in zip(*outputs):
         assert torch.isfinite(poisoned).all() and torch.allclose(poisoned, clean, atol=1e-5)
-    assert live_width(torch.tensor(9), 64) == 10 and causal_mask(torch.arange(3, 6), 64).shape == (3, 6)
+    assert ops.live_width(torch.tensor(9), 64) == 10 and causal_mask(torch.arange(3, 6), 64).shape == (3, 6)

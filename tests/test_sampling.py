@@ -1,5 +1,6 @@
-# Sampling's randomness (sampling.uniform, sampling.gumbel) and the coupled drafts' exactness in distribution, checked
-# through speculate's real cycle on a toy Markov chain (pure tensors, 100k samples vmapped at once as batch.py runs rows).
+# Sampling's randomness (sampling.uniform, sampling.gumbel, and the Gumbels keyed by (key, position): sampling.noise)
+# and the coupled drafts' exactness in distribution, checked through speculate's real cycle on a toy Markov chain (pure
+# tensors, 100k samples vmapped at once as batch.py runs rows).
 from types import SimpleNamespace
 
 import pytest
@@ -46,7 +47,7 @@ def test_uniforms_have_52_random_bits_eager_vmapped_and_compiled(device, chi2_pv
 
     def step(logits):  # what a compiled cycle draws: uniforms, the Gumbels, a coupled draw and an inverse-CDF one
         noise = sampling.gumbel(logits.shape, logits.device)
-        return sampling.uniform(shape, logits.device), noise, sampling.draw(logits, 1.0, noise=noise), sampling.sample(logits.softmax(-1))
+        return sampling.uniform(shape, logits.device), noise, sampling.draw(logits, "sample", noise=noise), sampling.sample(logits.softmax(-1))
 
     u, noise, coupled, drawn = torch.compile(step, fullgraph=True, dynamic=False)(torch.zeros(3, 49152, device=device))
     check_uniforms(u, chi2_pvalue)
@@ -87,11 +88,12 @@ def no_torch_rand(monkeypatch):
         monkeypatch.setattr(torch, name, refuse)
 
 
-@pytest.mark.parametrize("cpp", [True, False], ids=["cpp-draw", "torch-draw"])
+# kernels: the draws' ops through kernels.cpp where they serve (argmax, top-k, random bits), or torch's throughout
+@pytest.mark.parametrize("cpp", [True, False], ids=["kernels", "torch"])
 @pytest.mark.parametrize("mode", ["none", "eagle2", "eagle", "sps", "lookup", "eagle2-lookup"])
 def test_no_draw_at_t_above_0_reads_torch_rand(tiny_args, random_model, random_head, no_torch_rand, monkeypatch, mode, cpp):
     if cpp and not kernels.build():
-        pytest.skip("the C++ draw does not run here")
+        pytest.skip("the C++ kernels do not run here")
     monkeypatch.setattr(kernels, "BUILT", cpp and kernels.BUILT)
     args = tiny_args()
     target = random_model(args, seed=0)
@@ -108,10 +110,12 @@ def test_no_draw_at_t_above_0_reads_torch_rand(tiny_args, random_model, random_h
 # The target's next-token logits after a token are a fixed row (a Markov chain over V tokens), the head's are another
 # chain's, close to it but not equal, over a draft vocabulary of V - 1 tokens in another order (noise[:, draft_vocab]).
 # Both are modules speculate calls as it calls real ones (no KV: nothing depends on more than the last token). SAMPLES
-# runs of the real cycle from one root, vmapped at once by batch.batched (the code generate_batch runs), commit their
-# first 4 tokens, whose law is P(t1..t4) = p(root, t1) p(t1, t2) p(t2, t3) p(t3, t4): V^4 cells for a chi-square test.
-# Four tokens take the trees to depth >= 3 and the noise rows >= 2 (one cycle can commit all four). The broken couplings
-# below must fail it, the real code pass.
+# runs of the real cycle from one root, vmapped at once by batch.batched (the code generate_batch runs), each a sequence
+# with a key of its own (SpecState.key, as a batch's rows hold theirs), commit their first 4 tokens, whose law is
+# P(t1..t4) = p(root, t1) p(t1, t2) p(t2, t3) p(t3, t4): V^4 cells for a chi-square test. Four tokens take the trees to
+# depth >= 3 and the noise rows >= 2 (one cycle can commit all four), and later cycles to positions an earlier cycle's
+# noise rows already covered. The couplings broken below in the draws' noise must fail it, the real code pass; broken in
+# the drafts, they change no token at all (test_a_key_commits_vanilla_decodings_tokens_whatever_the_drafts).
 
 V = 6
 ROOT = 2
@@ -179,16 +183,23 @@ def de_bruijn(n: int) -> list:
     return out + out[:1]
 
 
-VMAP = torch.vmap  # the rows' own vmap (a broken variant below patches torch.vmap, which batch.batched calls)
+def prompt_of(spec: TreeSpec) -> list:
+    return de_bruijn(V) if spec.lookup_slots else [0, 1]
 
 
-def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chain=None, cycles: int = 4):
+def random_keys(n: int) -> torch.Tensor:
+    """n keys from torch's generator, as sampling.random_key draws one for a sequence without a seed."""
+    return torch.randint(-(1 << 63), (1 << 63) - 1, (n,), dtype=torch.long)
+
+
+def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chain=None, cycles: int = 4, keys=None):
     """The first 4 tokens that n runs of speculate.tree_cycle from ROOT commit, [n, 4], and the cycles' accept-length
-    histogram. Every run is a row of batch.batched; pairs: n/2 batches of 2 rows with one prompt (batch.batched inside
-    a vmap over the batches), rows 2i and 2i+1 one batch's. chain: (log p, log q, draft vocabulary), markov_chain()'s
-    by default. Each cycle commits a token at least; only the batches still short of 4 run again, up to cycles."""
+    histogram. Every run is a row of batch.batched with its rule and key (keys [n], random_keys' by default); pairs:
+    rows 2i and 2i+1 two rows with one prompt, which run their cycles together (one answer done, its row still steps).
+    chain: (log p, log q, draft vocabulary), markov_chain()'s by default. Each cycle commits a token at least; only the
+    rows still short of 4 run again, up to cycles."""
     logp, logq, draft_vocab = chain or markov_chain()
-    prompt = de_bruijn(V) if spec.lookup_slots else [0, 1]
+    prompt = prompt_of(spec)
     length = len(prompt) + (cycles + 1) * (spec.depth + 1) + 2
     target, head = MarkovTarget(logp, length), MarkovHead(logq, draft_vocab, length)
     st = SpecState(spec, V, "cpu")
@@ -199,15 +210,15 @@ def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chai
     st.root.fill_(ROOT)
     st.n_pend.fill_(1)
     st.pend_tok[0] = ROOT
+    st.set_rule(samp, 0)
     group = 2 if pairs else 1
     rows = {name: b.expand(n // group, group, *b.shape).clone() for name, b in st.named_buffers()}
+    rows["key"].copy_((random_keys(n) if keys is None else keys).view(n // group, group, 1))
     cycle = batch.batched(speculate.tree_cycle)
 
-    def step(sub: dict) -> torch.Tensor:  # -> [batches, group, depth + 2], sub's rows updated in place
-        if not pairs:
-            flat = {name: v[:, 0] for name, v in sub.items()}
-            return cycle(target, head, st, ({}, {}, flat), torch.ones(len(flat["L"]), dtype=torch.bool), (), spec, samp)[:, None]
-        return VMAP(lambda r: cycle(target, head, st, ({}, {}, r), torch.ones(2, dtype=torch.bool), (), spec, samp), randomness="different")(sub)
+    def step(sub: dict) -> torch.Tensor:  # -> [batches, group, depth + 2], sub's rows updated in place (through views)
+        out = cycle(target, head, st, ({}, {}, {name: v.flatten(0, 1) for name, v in sub.items()}), spec, samp.kind)
+        return out.view(-1, group, out.shape[-1])
 
     toks = torch.zeros(n // group, group, 5, dtype=torch.long)  # column 4 takes the tokens past the 4th
     count = torch.zeros(n // group, group, dtype=torch.long)
@@ -227,6 +238,19 @@ def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chai
         toks[need] = toks[need].scatter(-1, pos, out[..., 1:])
         count[need] += accept + 1
     return toks[..., :4].reshape(n, 4), hist
+
+
+def plain_tokens(samp: Sampling, keys: torch.Tensor, L: int) -> torch.Tensor:
+    """The 4 tokens vanilla decoding (speculate.plain_step, batch.batched over a row a key) draws from ROOT at position
+    L for each of keys, [n, 4]."""
+    st = SpecState(None, V, "cpu")
+    st.set_rule(samp, 0)
+    st.L.fill_(L)
+    st.root.fill_(ROOT)
+    rows = {name: b.expand(len(keys), *b.shape).clone() for name, b in st.named_buffers()}
+    rows["key"].copy_(keys[:, None])
+    step, target = batch.batched(speculate.plain_step), MarkovTarget(markov_chain()[0], L + 6)
+    return torch.stack([step(target, None, st, ({}, {}, rows), None, samp.kind)[:, 1] for _ in range(4)], -1)
 
 
 def exact_law(samp: Sampling) -> torch.Tensor:
@@ -290,8 +314,8 @@ def test_a_draft_equal_to_the_target_foresees_every_draw(mode, samp, monkeypatch
     torch.manual_seed(0)
     _, hist = run_cycles(spec, samp, 2000, chain=chain, cycles=1)
     assert hist[spec.depth] == 2000, hist
-    for name, fn in BROKEN["noise-row-d-ranks-depth-d"]().items():
-        monkeypatch.setattr(speculate, name, fn)
+    for module, name, fn in BROKEN["noise-row-d-ranks-depth-d"]():
+        monkeypatch.setattr(module, name, fn)
     _, hist = run_cycles(spec, samp, 2000, chain=chain, cycles=1)
     assert hist[spec.depth] < 1000, hist
 
@@ -306,13 +330,14 @@ def test_sampled_drafts_rank_in_fp32(mode, monkeypatch):
     assert seen and set(seen) == {torch.float32}, seen
 
 
-# ---- the law test must fail wrong couplings (and batch rows sharing their noise) ----
+# ---- couplings broken on purpose: in the drafts they cost acceptance, never a token; in the draws' noise the law test
+# must fail them (and batch rows sharing their key) ----
 
-def pool_rerank(target, head, st, spec, h_root, samp, noise):
+def pool_rerank(target, head, st, spec, h_root, noise):
     """Broken: EAGLE-2's expansion and pool rerank (speculate.draft_dynamic) over its summed log-probs plus the verify's
     Gumbels: a shallow node's place in the tree hangs on deeper noise rows, which its own draws read."""
     noise = noise[:, head.draft_vocab] if len(head.draft_vocab) else noise
-    k, ctx = spec.topk, speculate.live_width(st.L - 1, head.max_seq_length)
+    k, ctx = spec.topk, speculate.ops.live_width(st.L - 1, head.max_seq_length)
     feat, anc = h_root.expand(k, -1), torch.zeros_like(st.scratch_eye[:k])
 
     def step(level, tok, parent):
@@ -320,9 +345,9 @@ def pool_rerank(target, head, st, spec, h_root, samp, noise):
         anc = anc[parent] | st.scratch_eye[(level - 1) * k:level * k]
         feat, logits = speculate.head_step(target, head, head.target_ids(tok), feat[parent], (st.L - 1 + level).expand(k),
                                            (level - 1) * k, speculate.scratch_mask(st, ctx, anc))
-        return F.log_softmax(samp.draft_logprobs(logits), -1) + noise[level]
+        return F.log_softmax(logits.float(), -1) + noise[level]
 
-    root = F.log_softmax(samp.draft_logprobs(head.logits(h_root, target.output)), -1) + noise[0]
+    root = F.log_softmax(head.logits(h_root, target.output).float(), -1) + noise[0]
     sel, pool_tok, pool_parent, pool_score = spectree.grow(root, step, k, spec.depth, spec.num_draft_tokens)
     tokens, parents = spectree.tree_from_pool(sel, head.target_ids(pool_tok), pool_parent, st.root)
     return tokens, parents, F.pad(pool_score[sel], (1, 0))
@@ -333,27 +358,59 @@ def noise_a_row_deeper(draft):
     return lambda *args: draft(*args[:-1], args[-1][1:])
 
 
-def rows_copying_row_1(gumbel):
-    """Broken: noise rows 2 and deeper are row 1 again, so a cycle's draws below depth 1 are tied to each other."""
-    def noise(shape, device):
-        g = gumbel(shape, device)
-        return torch.cat([g[:2], g[1:2].expand(shape[0] - 2, -1)])
-    return noise
+def rows_copying_row_1(noise):
+    """Broken: the Gumbels of positions L + 3 and later are those of L + 2 again, so a cycle's draws below depth 1 are
+    tied to each other."""
+    def copied(st, first, n, width):
+        g = noise(st, first, n, width)
+        return torch.cat([g[:2], g[1:2].expand(n - 2, -1)])
+    return copied
 
 
-BROKEN = {
-    "pool-rerank": lambda: {"draft_coupled": pool_rerank},
-    "noise-row-d-ranks-depth-d": lambda: {"draft_coupled": noise_a_row_deeper(speculate.draft_coupled),
-                                          "draft_static": noise_a_row_deeper(speculate.draft_static)},
-    "rows-copying-row-1": lambda: {"gumbel": rows_copying_row_1(speculate.gumbel)},
+def parents_row(draw):
+    """Broken: a depth-d node's draw reads noise row d - 1, its parent's (the root's, row 0, at depth 1), so a token
+    drawn below an accepted draft shares the Gumbels of the token before it."""
+    def drawn(output, h, kind, st=None, noise=None, rows=None):
+        return draw(output, h, kind, st, noise, None if rows is None else (rows - 1).clamp(min=0))
+    return drawn
+
+
+BROKEN = {  # -> [(module, name, replacement)]
+    "pool-rerank": lambda: [(speculate, "draft_coupled", pool_rerank)],
+    "noise-row-d-ranks-depth-d": lambda: [(speculate, "draft_coupled", noise_a_row_deeper(speculate.draft_coupled)),
+                                          (speculate, "draft_static", noise_a_row_deeper(speculate.draft_static))],
+    "rows-copying-row-1": lambda: [(sampling, "noise", rows_copying_row_1(sampling.noise))],
+    "draws-read-their-parents-row": lambda: [(sampling, "lm_head_draw", parents_row(sampling.lm_head_draw))],
 }
+IN_THE_DRAFTS = ("pool-rerank", "noise-row-d-ranks-depth-d")
+IN_THE_NOISE = ("rows-copying-row-1", "draws-read-their-parents-row")
 
 
-@pytest.mark.parametrize("broken,mode", [("pool-rerank", "eagle2"), ("noise-row-d-ranks-depth-d", "eagle2"), ("noise-row-d-ranks-depth-d", "eagle"),
-                                         ("rows-copying-row-1", "eagle2"), ("rows-copying-row-1", "eagle")])
+@pytest.mark.parametrize("mode", ["eagle2", "eagle", "eagle2-lookup", "eagle2-T0.7-top-k4"])
+def test_a_key_commits_vanilla_decodings_tokens_whatever_the_drafts(mode, monkeypatch):
+    # The token at a position is argmax(log p + T G) over the kept tokens, G keyed by (key, position), whatever drafted
+    # it: the drafts decide how many tokens a cycle commits, never which. So a coupling broken in the drafts (a pool
+    # rerank over deeper noise rows, ranks a noise row off) leaves every token as vanilla decoding's; one broken in the
+    # draws' noise does not (and the law test below fails it).
+    spec, samp = COUPLED[mode]
+    torch.manual_seed(0)
+    keys = random_keys(2000)
+    want = plain_tokens(samp, keys, len(prompt_of(spec)))
+    assert torch.equal(run_cycles(spec, samp, 2000, keys=keys)[0], want)
+    for broken in IN_THE_DRAFTS + IN_THE_NOISE:
+        if broken == "pool-rerank" and spec.mode != "eagle2":
+            continue  # it replaces draft_coupled, which only eagle2 runs
+        with monkeypatch.context() as m:
+            for module, name, fn in BROKEN[broken]():
+                m.setattr(module, name, fn)
+            assert torch.equal(run_cycles(spec, samp, 2000, keys=keys)[0], want) == (broken in IN_THE_DRAFTS), broken
+
+
+@pytest.mark.parametrize("broken", IN_THE_NOISE)
+@pytest.mark.parametrize("mode", ["eagle2", "eagle"])
 def test_the_law_test_rejects_a_broken_coupling(broken, mode, chi2_pvalue, monkeypatch):
-    for name, fn in BROKEN[broken]().items():
-        monkeypatch.setattr(speculate, name, fn)
+    for module, name, fn in BROKEN[broken]():
+        monkeypatch.setattr(module, name, fn)
     spec, samp = COUPLED[mode]
     torch.manual_seed(0)
     toks, _ = run_cycles(spec, samp, SAMPLES)
@@ -361,10 +418,10 @@ def test_the_law_test_rejects_a_broken_coupling(broken, mode, chi2_pvalue, monke
     assert p < 1e-3
 
 
-def test_the_batch_test_rejects_rows_sharing_their_noise(chi2_pvalue, monkeypatch):
-    # batch.batched's vmap with randomness="same": two rows with one prompt give one answer
-    monkeypatch.setattr(torch, "vmap", lambda fn, **kw: VMAP(fn, **(kw | {"randomness": "same"})))
+def test_the_batch_test_rejects_rows_sharing_their_noise(chi2_pvalue):
+    # the two rows of a batch given one key (as if a batch keyed its rows by their prompt): they give one answer
     torch.manual_seed(0)
-    toks, _ = run_cycles(COUPLED["eagle2"][0], T1, SAMPLES, pairs=True)
-    PVALUES["batch-of-2-same-noise"], PVALUES["batch-of-2-same-noise-joint"] = law, joint = pair_pvalues(toks, chi2_pvalue)
+    keys = random_keys(SAMPLES // 2).repeat_interleave(2)
+    toks, _ = run_cycles(COUPLED["eagle2"][0], T1, SAMPLES, pairs=True, keys=keys)
+    PVALUES["batch-of-2-one-key"], PVALUES["batch-of-2-one-key-joint"] = law, joint = pair_pvalues(toks, chi2_pvalue)
     assert joint < 1e-3 and bool((toks[0::2] == toks[1::2]).all())

@@ -170,6 +170,19 @@ def test_a_seed_makes_a_sampled_request_reproducible(servers):
     client = servers["eagle2"].client
     runs = [chat(client, QUESTIONS[2], temperature=1.0, seed=s, max_tokens=40)[1] for s in (7, 7, 8)]
     assert runs[0] == runs[1] != runs[2]
+    # beside three greedy requests, in a batched step: the same tokens (its draws are keyed by its seed and position)
+    beside = [None] * 4
+
+    def ask(i):
+        extra = {"temperature": 1.0, "seed": 7} if i == 0 else {}
+        beside[i] = chat(client, QUESTIONS[2 + i], max_tokens=40, **extra)[1]
+
+    threads = [threading.Thread(target=ask, args=(i,)) for i in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert beside[0] == runs[0]
 
 
 def test_stop_strings_and_token_ids_end_the_answer(servers, refs):

@@ -37,7 +37,7 @@ def test_expected_tau_grows_with_the_tree_and_stays_bounded(a):
 
 def test_the_greedy_prior_predicts_the_measured_tau_it_was_fitted_to():
     """tau of head 15, the head the prior is fitted to (the shipped head 17 measures 0.03-0.12 higher), on MT-bench
-    first turns (docs/results.md: all 80 at the paper's tree, 12 at the others) at four trees, the three small ones
+    first turns (docs/cpu.md: all 80 at the paper's tree, 12 at the others) at four trees, the three small ones
     with their lookup slots (worth about 0.03 here): the prior the sizing ranks trees by must predict each within 0.1.
     The geometric prior a = 0.6 it replaced said 4.62 at the paper's tree, where head 12 measured 3.01; a prior fitted
     to head 12, (0.58, 0.18), put head 14 0.26 low there."""
@@ -248,7 +248,7 @@ def test_the_clis_leave_out_lookup_slots_when_sampling(monkeypatch):
     lookup slots unless asked (at T=1 they added no τ), and with sizing's default (None: min(3, depth)) at T=0."""
     from bench import bench
     import generate
-    from checkpoint import UsageError
+    from errors import UsageError
     from eaglet import check_options
 
     seen, benched = [], []

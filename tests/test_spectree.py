@@ -7,6 +7,8 @@ import torch
 
 import sampling
 import spectree
+from sampling import Sampling
+from speculate import SpecState
 
 pytestmark = pytest.mark.usefixtures("single_thread")
 
@@ -222,17 +224,25 @@ def test_a_coupled_draft_equal_to_the_target_foresees_its_samples():
     widths = (3, 2, 2, 1)
     for seed in range(30):
         tokens, parents, depths, _, noise, logP = markov_grow(widths, seed=seed)
-        draws = sampling.draw(logP[tokens], 1.0, noise=noise[depths])
+        draws = sampling.draw(logP[tokens], "sample", noise=noise[depths])
         accept_len, _, _ = spectree.accept(tokens, parents, depths, draws, len(widths))
         assert accept_len == len(widths)
 
 
+def rule(samp: Sampling, key: int = 0) -> SpecState:
+    """A sequence's rule and key as a step reads them."""
+    st = SpecState(None, 1, "cpu")
+    st.set_rule(samp, key)
+    return st
+
+
 def test_coupled_draws_sample_the_distribution(chi2_pvalue):
-    torch.manual_seed(0)
+    # one sequence's draws at 40000 positions: the keyed Gumbels times T, over top-p's kept tokens
+    samp = Sampling(0.8, top_p=0.95)
+    st = rule(samp, sampling.key_of(0))
     logits = torch.tensor([0.5, -1.0, 2.0, 0.0, -inf, 1.0])
-    noise = sampling.gumbel((40000, 6), "cpu")
-    draws = sampling.draw(logits.expand(40000, -1), 0.8, top_p=0.95, noise=noise)
-    assert chi2_pvalue(torch.bincount(draws, minlength=6), sampling.logits_to_probs(logits, 0.8, top_p=0.95)) > 1e-3
+    draws = sampling.draw(logits.expand(40000, -1), samp.kind, st, sampling.noise(st, torch.tensor(0), 40000, 6))
+    assert chi2_pvalue(torch.bincount(draws, minlength=6), samp.probs(logits)) > 1e-3
 
 
 def test_level_widths_are_the_prior_trees_levels():
@@ -298,7 +308,7 @@ def test_accept_with_greedy_draws_takes_the_argmax_path():
     logits = torch.full((7, 10), -1.0)
     for node, tok in enumerate([3, 6, 7, 1, 0, 0, 0]):
         logits[node, tok] = 1.0
-    accept_len, path, bonus = spectree.accept(ACC_TOKENS, ACC_PARENTS, ACC_DEPTHS, sampling.draw(logits, 0.0), 3)
+    accept_len, path, bonus = spectree.accept(ACC_TOKENS, ACC_PARENTS, ACC_DEPTHS, sampling.draw(logits, "greedy"), 3)
     assert (accept_len.item(), path.tolist(), bonus.item()) == (2, [0, 1, 4, 4], 0)
 
 
@@ -345,8 +355,14 @@ def test_temperature_divides_the_logits():
 
 
 def test_draw_at_temperature_zero_is_the_argmax():
+    # greedy's own kind, and a rule at T = 0 in a step built for sampling (a greedy row of a sampled batch: noise 0)
     logits = torch.randn(50, 9, generator=torch.Generator().manual_seed(0))
-    assert torch.equal(sampling.draw(logits, 0.0), logits.argmax(-1))
+    assert torch.equal(sampling.draw(logits, "greedy"), logits.argmax(-1))
+    st = rule(Sampling(0.0, top_k=2), sampling.key_of(1))
+    noise = sampling.noise(st, torch.tensor(7), 50, 9)
+    assert not noise.any()
+    for kind in ("sample", "truncate"):
+        assert torch.equal(sampling.draw(logits, kind, st, noise), logits.argmax(-1))
 
 
 def test_sample_matches_its_distribution(chi2_pvalue):

@@ -6,13 +6,11 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import batch
 import sampling
 import spectree
-import speculate
 import model
-import ops
 import quant
-from cpu import kernels
 from draft import EagleHead, use_draft_vocab
 from eaglet import Generator
 from sampling import Sampling
@@ -129,7 +127,7 @@ def test_metrics_count_what_the_cycles_committed(tiny, name):
 def test_a_cycle_writes_the_head_cache_once(tiny, name, monkeypatch):
     """A draft tree's levels keep their K/V rows apart from the head's cache (KVCache.update with an int: the head's
     k_tree), so the cache takes one write a cycle, the context pass's, and one for the prompt: compiled, Inductor
-    copied all of a buffer written more than once in a graph for every write but the last (docs/results.md)."""
+    copied all of a buffer written more than once in a graph for every write but the last (docs/cpu.md)."""
     writes = []
     update = model.KVCache.update
     monkeypatch.setattr(model.KVCache, "update", lambda self, pos, *a: writes.append((self, torch.is_tensor(pos))) or update(self, pos, *a))
@@ -330,20 +328,21 @@ def test_speculative_sampling_follows_the_target_distribution(small_vocab, chi2_
 
 @pytest.fixture
 def fresh_bonus(monkeypatch):
-    """Breaks tree verification: the bonus becomes a new draw from the processed target distribution
-    at the deepest accepted node, instead of the draw that missed every child there."""
-    real_draw, real_accept = ops.lm_head_draw, spectree.accept
+    """Breaks tree verification: the bonus becomes a new draw from the processed target distribution at the deepest
+    accepted node (sampling.sample: a uniform of torch's generator, keyed by no position), instead of the draw there
+    that missed every child."""
+    real_draw, real_accept = sampling.lm_head_draw, spectree.accept
     last = {}
 
-    def draw(output, h, rule, noise=None, rows=None):  # every target draw, whichever way the backend makes it
-        last["probs"] = rule.probs(output(h))
-        return real_draw(output, h, rule, noise, rows)
+    def draw(output, h, kind, st=None, noise=None, rows=None):  # every target draw, whichever way the backend makes it
+        last["probs"] = sampling.rule_probs(output(h), st)
+        return real_draw(output, h, kind, st, noise, rows)
 
     def accept(tokens, parents, depths, draws, depth):
         accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
         return accept_len, path, sampling.sample(last["probs"][path[-1]])
 
-    monkeypatch.setattr(ops, "lm_head_draw", draw)
+    monkeypatch.setattr(sampling, "lm_head_draw", draw)
     monkeypatch.setattr(spectree, "accept", accept)
 
 
@@ -356,10 +355,11 @@ def test_sampling_test_rejects_a_fresh_bonus_draw(small_vocab, chi2_pvalue, fres
 
 @pytest.mark.parametrize("mode", ["eagle2", "eagle"])
 def test_sampling_test_rejects_one_noise_for_every_depth(small_vocab, chi2_pvalue, monkeypatch, mode):
-    # The drafts and the verify's draws share one Gumbel row a depth; the same row at every depth ties a cycle's tokens
-    # to each other (the target would draw its argmax again wherever it stays as likely).
-    real = speculate.gumbel
-    monkeypatch.setattr(speculate, "gumbel", lambda shape, device: real(shape[1:], device).expand(shape))
+    # The drafts and the verify's draws share one Gumbel row a depth, keyed by its position; the first position's row
+    # at every depth ties a cycle's tokens to each other (the target would draw its argmax again wherever it stays as
+    # likely).
+    real = sampling.noise
+    monkeypatch.setattr(sampling, "noise", lambda st, first, n, width: real(st, first, 1, width).expand(n, -1))
     counts, _ = sample_first_tokens(small_vocab.generator(mode), T1)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T1, PROMPT)) < 1e-3
 
@@ -384,34 +384,25 @@ def test_sampling_follows_the_target_where_the_noise_shapes_the_trees(small_voca
     assert chi2_pvalue(counts.sum(-1), joint.sum(-1)) > 1e-3 and chi2_pvalue(counts.sum(0), joint.sum(0)) > 1e-3
 
 
-T06 = Sampling(0.6)  # no top-k or top-p: the draw the C++ kernel serves (kernels.sample), else sampling.sample
-
-
-@pytest.fixture(params=[True, False], ids=["cpp-draw", "torch-draw"])
-def cpp_draw(request, monkeypatch):
-    """Forces the draws without noise through eaglet::sample (skipped where it does not build) or torch's inverse CDF;
-    -> the calls kernels.sample took."""
-    if request.param and not kernels.build():
-        pytest.skip("the C++ kernels do not run here")
-    monkeypatch.setattr(kernels, "BUILT", request.param)
-    calls, real = [], kernels.sample
-    monkeypatch.setattr(kernels, "sample", lambda *a: calls.append(1) or real(*a))
-    return calls
+T06 = Sampling(0.6)  # no top-k or top-p: the draws add the Gumbels times T and mask nothing
 
 
 @pytest.mark.parametrize("mode", ["none", "lookup"])
-def test_sampling_at_a_temperature_below_1_follows_the_target(small_vocab, chi2_pvalue, cpp_draw, mode):
-    # T = 0.6 against 1/0.6: a wrapper passing T where the kernel wants 1/T fails this (below), T = 1 cannot tell
+def test_sampling_at_a_temperature_below_1_follows_the_target(small_vocab, chi2_pvalue, mode):
+    # T = 0.6 against 1/0.6: Gumbels scaled by 1/T where T is wanted fail this (below), T = 1 cannot tell
     gen = Generator(small_vocab.target) if mode == "none" else small_vocab.generator(mode)
     counts, _ = sample_first_tokens(gen, T06)
-    assert bool(cpp_draw) == kernels.BUILT
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) > 1e-3
 
 
-def test_the_temperature_test_rejects_the_cpp_draw_at_the_inverse_temperature(small_vocab, chi2_pvalue, monkeypatch):
-    if not kernels.build():
-        pytest.skip("the C++ kernels do not run here")
-    monkeypatch.setattr(kernels, "sample", lambda logits, temperature, u: torch.ops.eaglet.sample(logits, u, temperature))
+def test_the_temperature_test_rejects_noise_at_the_inverse_temperature(small_vocab, chi2_pvalue, monkeypatch):
+    # argmax(logits + G / T) = argmax(T logits + G): a draw at temperature 1/T
+    real = sampling.noise
+
+    def noise(st, first, n, width):
+        return real(st, first, n, width) / st.temperature.double() ** 2  # T G -> G / T
+
+    monkeypatch.setattr(sampling, "noise", noise)
     counts, _ = sample_first_tokens(Generator(small_vocab.target), T06)
     assert chi2_pvalue(counts, exact_distribution(small_vocab.target, T06, PROMPT)) < 1e-3
 
@@ -447,8 +438,15 @@ def test_two_rows_with_one_prompt_answer_independently(small_vocab):
 
 
 def test_the_independence_test_rejects_rows_sharing_their_noise(small_vocab, monkeypatch):
-    real = torch.vmap
-    monkeypatch.setattr(torch, "vmap", lambda fn, **kw: real(fn, **(kw | {"randomness": "same"})))  # batch.batched's
+    # the rows' per-row buffers without the key (batch.written): every row's steps read the one key SpecState holds,
+    # the one the last row to begin set, so rows with one prompt and one first token give one answer
+    real = batch.written
+
+    def written(target, drafter, state):
+        caches, drafts, st = real(target, drafter, state)
+        return caches, drafts, {name: b for name, b in st.items() if name != "key"}
+
+    monkeypatch.setattr(batch, "written", written)
     observed, independent = identical_answers(small_vocab, 120)
     assert abs(observed - independent) > 0.1, (observed, independent)
 

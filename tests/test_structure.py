@@ -22,10 +22,10 @@ REPO = Path(__file__).resolve().parents[1]
 FOLDERS = ("cpu", "bench", "train")
 CLIS = {"generate", "quantize", "bench.bench", "bench.calibration", "bench.distill_speed", "bench.noise_cost", "bench.serve_bench",
         "train.head_agreement", "train.corpus", "serve"}
-LIBRARY = {"eaglet", "generator", "compiling", "batch", "speculate", "checkpoint", "sizing", "dtypes", "cachedir", "prompts",
+LIBRARY = {"eaglet", "generator", "compiling", "batch", "engine", "speculate", "checkpoint", "sizing", "dtypes", "cachedir", "prompts",
            "convert_hf_checkpoint", "terminal", "cpu", "cpu.kernels", "cpu.linears", "cpu.inductor", "cpu.threads", "cpu.hugepages", "bench", "bench.peers", "bench.cycle_split", "bench.float32_noise", "train", "train.distill",
            "train.train_draft"}  # train_draft: a CLI whose training steps head_agreement reuses
-MODELS = {"model", "draft", "weights", "quant", "ops", "progress", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic"}
+MODELS = {"model", "draft", "weights", "quant", "ops", "progress", "spectree", "sampling", "lookup", "tokenizer", "tp", "interrupt", "atomic", "errors"}
 LAYER = {name: i for i, layer in enumerate((MODELS, LIBRARY, CLIS)) for name in layer}
 CYCLE_FILES = ("model", "draft", "spectree", "sampling", "ops", "speculate", "generator", "generate")  # one cycle, generate.py down
 LOADING = {"eaglet"}  # where the CPU wing enters
@@ -127,9 +127,17 @@ def test_the_checker_sees_cycles_and_upward_imports():
     assert LAYER["generate"] > LAYER["eaglet"] > LAYER["model"]
 
 
+def test_only_the_generator_reads_its_private_fields():
+    """batch.py, the engine and the benchmarks call the Generator's methods (step, begin, rows_for, reusable), never its
+    private fields or its per-row buffers and cache owners."""
+    reach = re.compile(r"\b(?:gen|self\.gen|generator)\.(_\w+|rows|kv_streams)\b")
+    found = [(p.name, m.group(0)) for p in sources() if p.name != "generator.py" for m in reach.finditer(p.read_text())]
+    assert not found, found
+
+
 def test_the_cycle_reads_in_one_sitting():
     lines = {name: len((REPO / f"{name}.py").read_text().splitlines()) for name in CYCLE_FILES}
-    assert lines["generate"] <= 350 and sum(lines.values()) <= 1600, lines
+    assert lines["generate"] <= 350 and sum(lines.values()) <= 1900, lines
 
 
 def test_readme_python_example_runs():

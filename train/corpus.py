@@ -21,7 +21,7 @@ import lzma
 import os
 
 import atomic
-from checkpoint import UsageError, UsageParser
+from errors import UsageError, UsageParser
 from train import distill
 
 FIELDS = ("temperature", "prompt_len", "tokens")

@@ -27,8 +27,8 @@ from torch.nn.utils.rnn import pad_sequence
 from tqdm import tqdm
 
 import ops
-from checkpoint import UsageError
 from cpu import linears
+from errors import UsageError
 from model import Transformer, causal_mask, eagle3_taps, find_multiple
 from prompts import CODE_MATH, MT_BENCH, load_conversations
 from sampling import sample

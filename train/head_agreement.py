@@ -20,7 +20,8 @@ import os
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
-from checkpoint import UsageError, UsageParser, default_checkpoint, load_model  # noqa: E402
+from checkpoint import default_checkpoint, load_model  # noqa: E402
+from errors import UsageError, UsageParser  # noqa: E402
 from train.distill import sample_batch  # noqa: E402
 from draft import use_draft_vocab  # noqa: E402
 from prompts import load_conversations  # noqa: E402
@@ -76,7 +77,7 @@ def sampled_agreement(head, target, answers: list, steps: int, ks=(1, 4, 10), dr
             top[i] += torch.stack([mass[:, k - 1].sum() for k in ks])
             for _ in range(draws):
                 noise = gumbel(logp.shape, logp.device)
-                draw = sampling_draw(logp, 1.0, noise=noise)
+                draw = sampling_draw(logp, "sample", noise=noise)
                 hit = (ids[(logq + noise[:, ids]).topk(max(ks), -1).indices] == draw[:, None]).cumsum(-1)
                 coupled[i] += torch.stack([hit[:, k - 1].sum() for k in ks]) / draws
             count[i] += len(slots)

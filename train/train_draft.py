@@ -41,11 +41,12 @@ from tqdm import tqdm
 import dtypes
 import ops
 import tp
-from checkpoint import UsageError, UsageParser, default_checkpoint, load_model
+from checkpoint import default_checkpoint, load_model
 from train import distill
 from train.distill import DataConfig, append_jsonl
 from draft import Eagle3Head, EagleHead
-from model import Attention, Transformer, apply_rope, eagle3_taps, one_line
+from errors import UsageError, UsageParser, one_line
+from model import Attention, Transformer, apply_rope, eagle3_taps
 from tokenizer import load_tokenizer
 from weights import load_head, save_head
 
