@@ -24,7 +24,8 @@ from speculate import CHAINS, MODES, TreeSpec
 
 def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, device=None, dtype=None, compile=False,
                    depth=None, topk=None, num_draft_tokens=None, speculate_k=None, draft_vocab=None, draft_checkpoint=None,
-                   lookup_slots=None, target: Optional[Transformer] = None, batch: int = 1, sampling=False, log=log_stderr) -> tuple:
+                   lookup_slots=None, target: Optional[Transformer] = None, batch: int = 1, sampling=False, context: int = 0,
+                   log=log_stderr) -> tuple:
     """-> (Generator, tokenizer). Raises UsageError on bad input.
 
     checkpoint: a converted target directory (None: the embedded SmolLM2-135M-Instruct); draft: its EAGLE head
@@ -38,7 +39,9 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     target's); draft_checkpoint: the sps draft LLM. target: an already loaded target of `checkpoint` to share
     (bench.py runs every mode on one). batch: the prompts generate_batch will answer at once; an eagle2 tree left open
     is sized for that many sequences (smaller, without lookup slots unless given); sampling: the Sampling rule generate will
-    run (or True for T > 0): its tree is sampling's (shallower), and compiled steps are built for it before returning."""
+    run (or True for T > 0): its tree is sampling's (shallower), and compiled steps are built for it before returning.
+    context: a prompt plus answer the caches hold from the start (a server's), at most the model's: the steps are built
+    once, for caches of that size."""
     check_options(speculate, depth, topk, num_draft_tokens, speculate_k, draft_vocab, lookup_slots)
     check_device_dtype(device, dtype)
     default = checkpoint is None
@@ -64,6 +67,7 @@ def load_generator(checkpoint=None, draft=None, speculate: str = "eagle2", *, de
     trees = {1: spec} | {n: tree_spec(speculate, target, head, depth, topk, num_draft_tokens, speculate_k, compile, log, lookup_slots, n,
                                       rule.temperature > 0, draft_vocab, plain=True) for n in range(2, batch + 1)}
     gen = Generator(target, spec, head, draft_model, compile=compile, tokenizer=tokenizer, trees=trees)
+    gen.reserve(min(context, target.args.block_size))
     gen.build(rule.kind, log)
     return gen, tokenizer
 

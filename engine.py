@@ -2,6 +2,12 @@
 # thread owns the Generator and runs the loop: waiting requests take free rows (each prefilled from the longest prefix
 # any row holds), then one step of every live row, whose tokens go back to each request as text. serve.py is its HTTP
 # face; read batch.py for what a step runs at each load.
+#
+# The loop runs on the thread that loaded the model (run()), not on a thread of its own: on a CPU every thread that
+# runs parallel kernels keeps a pool of OpenMP workers, and once a process holds more of them than it has cores,
+# libgomp's workers sleep between parallel regions instead of spinning, so every one of a step's few hundred regions
+# pays a wake-up (docs/serving.md: a second compute thread halves the command line's speed). serve.py's HTTP thread
+# runs no kernel.
 import collections
 import sys
 import threading
@@ -40,21 +46,33 @@ class Job:
 
 
 class Engine:
-    """The Generator, its rows and the thread that runs them, fed by a queue of Jobs. rows: the most requests answered at
-    once; cached: more rows that keep finished requests' caches for later prefixes."""
+    """The Generator and its rows, fed by a queue of Jobs from any thread; run() answers them. rows: the most requests
+    answered at once; cached: more rows that keep finished requests' caches for later prefixes."""
 
     def __init__(self, gen, tokenizer, rows: int, context: int, chat_template: bool, default_max_tokens: int, cached: int = 0,
                  log=print):
         self.gen, self.tokenizer, self.rows, self.context = gen, tokenizer, rows, context
         self.chat_template, self.default_max_tokens = chat_template, default_max_tokens
         self.waiting, self.cond, self.closing, self.ready = collections.deque(), threading.Condition(), False, False
-        self.counts = collections.Counter()
+        self.aborting = False
+        self.counts, self.log, self.thread = collections.Counter(), log, None
         self.depth = gen.spec.depth + 1 if gen.spec else 1
         gen.reserve(context)  # every request's caches, allocated once: rows made now stay valid
         self.batch = batch.Batch(gen, rows, cached)
-        self.warm_up(log)
-        self.thread = threading.Thread(target=self.serve, name="rows", daemon=True)
+
+    def run(self, on_ready=lambda: None):
+        """Every step built and warmed up (then on_ready()), then the requests answered until close() and the last of
+        them is done. Call it on the thread that loaded the model (see the top of this file)."""
+        self.warm_up(self.log)
+        on_ready()
+        self.serve()
+
+    def start(self) -> "Engine":
+        """run() on a thread of its own, for callers whose own thread must stay free (tests, a Python host): correct,
+        but on a CPU slower than run() on the loading thread."""
+        self.thread = threading.Thread(target=self.run, name="rows", daemon=True)
         self.thread.start()
+        return self
 
     @torch.inference_mode()
     def warm_up(self, log):
@@ -93,11 +111,19 @@ class Engine:
             return True
 
     def close(self):
-        """Stops the loop once every request taken or waiting is answered."""
+        """Stops the loop once every request taken or waiting is answered (from any thread; start()'s is joined)."""
         with self.cond:
             self.closing = True
             self.cond.notify()
-        self.thread.join()
+        if self.thread is not None and self.thread is not threading.current_thread():
+            self.thread.join()
+
+    def abort(self):
+        """Stops the loop at its next step: every request taken or waiting then ends with an error event (counted in
+        "aborted"). Only sets flags, so a signal handler may call it."""
+        with self.cond:
+            self.aborting = self.closing = True
+            self.cond.notify()
 
     def serve(self):
         with ops.pacing(self.gen.device) as pace:
@@ -105,6 +131,8 @@ class Engine:
                 with self.cond:
                     while not self.waiting and not self.batch.live and not self.closing:
                         self.cond.wait()
+                    if self.aborting:
+                        return self.fail_all("the server stopped before this answer was done")
                     if not self.waiting and not self.batch.live:
                         return
                 try:
@@ -119,6 +147,16 @@ class Engine:
                     for seq in list(self.batch.live):
                         self.fail(seq.tag, e)
                     self.batch.leave(list(range(len(self.batch.live))))
+
+    def fail_all(self, message: str):
+        with self.cond:
+            jobs = [seq.tag for seq in self.batch.live] + list(self.waiting)
+            self.waiting.clear()
+        for job in jobs:
+            job.cancelled = True
+            job.emit({"error": message})
+        self.counts["aborted"] += len(jobs)
+        self.batch.leave(list(range(len(self.batch.live))))
 
     def admit(self):
         """Waiting requests into free rows, oldest first; one the client left is dropped."""
@@ -197,4 +235,5 @@ class Engine:
             return {"status": "draining" if self.closing else "ok" if self.ready else "loading", "rows": self.rows,
                     "busy": len(self.batch.live), "waiting": len(self.waiting), "cycles": self.counts["cycles"],
                     "shared_cycles": self.counts["shared_cycles"], "requests": self.counts["requests"],
-                    "cancelled": self.counts["cancelled"], "failed": self.counts["failed"], "steps": steps}
+                    "cancelled": self.counts["cancelled"], "failed": self.counts["failed"], "aborted": self.counts["aborted"],
+                    "steps": steps}

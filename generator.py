@@ -124,7 +124,7 @@ class Generator:
         # graphs, --compile max's frozen weights) each step compiles at its first call, as torch.compile does.
         self.precompile = ops.step_compiler(self.device, self.frozen) if compile and tp.world_size() == 1 else None
         self.packaged, self.built, self.compile_seconds = self.precompile is not None, set(), 0.0
-        self.bound = {}  # (name, kind, spec, batched) -> the step, as step() built it
+        self.bound = {}  # (name, kind, spec, batched, cache length) -> the step, as step() built it
         self.rows = None  # batch.Rows: per-row copies of the buffers, for batch.Batch (rows_for)
         self.quantised = any(isinstance(m, QuantLinear) for m in target.modules())
 
@@ -140,7 +140,7 @@ class Generator:
         spec = self.spec if spec is ... else spec
         if name in ("prefill", "catch_up"):
             kind, spec = "any", (None if name == "prefill" else spec)  # one for every rule
-        key = (name, kind, spec, rows is not None)
+        key = (name, kind, spec, rows is not None, self.target.max_seq_length)  # a compiled step's sizes are its caches'
         if key in self.bound and not check:
             return self.bound[key]
         if name == "prefill":

@@ -11,8 +11,10 @@ import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below ex
 import argparse
 import asyncio
 import json
+import signal
 import socket
 import sys
+import threading
 import time
 import uuid
 from typing import Optional
@@ -142,22 +144,32 @@ def error_response(status: int, message: str, param=None, kind="invalid_request_
     return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
 
 
-def make_app(engine: Engine, model_name: str):
+def make_app(model_name: str):
+    """The HTTP face of app.state.engine (None while the model loads: every endpoint answers 503 until it is ready)."""
     from fastapi import FastAPI, Request
-    from fastapi.responses import StreamingResponse
+    from fastapi.responses import JSONResponse, StreamingResponse
 
     app = FastAPI(title="eaglet")
+    app.state.engine = None
     created = int(time.time())
+
+    def ready():
+        return app.state.engine is not None and app.state.engine.ready
 
     @app.get("/health")
     def health():
-        return engine.health()
+        if app.state.engine is None:
+            return JSONResponse({"status": "loading"}, status_code=503)
+        return JSONResponse(app.state.engine.health(), status_code=200 if ready() else 503)
 
     @app.get("/v1/models")
     def models():
         return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "eaglet"}]}
 
     async def complete(request: Request, chat: bool):
+        if not ready():
+            return error_response(503, "the model is loading: try again once /health says ok", kind="server_error")
+        engine = app.state.engine
         try:
             try:
                 req = json.loads(await request.body())
@@ -229,15 +241,11 @@ def make_app(engine: Engine, model_name: str):
 
 
 def uvicorn_server(app, log_level: str = "warning"):
-    """A uvicorn Server whose SIGINT / SIGTERM drain it: no new connections, the open ones answered, then run() returns."""
+    """A uvicorn Server that, once told to exit (should_exit), takes no new connections and answers the open ones before
+    run() returns. Run on a thread other than the main one, it leaves the signals to its caller (drain_on_signals)."""
     import uvicorn
 
-    class Draining(uvicorn.Server):
-        def handle_exit(self, sig, frame):
-            super().handle_exit(sig, frame)
-            self._captured_signals.clear()  # drained is a clean exit: not the signal's default action afterwards
-
-    return Draining(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=None))
+    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=None))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -251,9 +259,8 @@ def listen(host: str, port: int) -> socket.socket:
     return sock
 
 
-def build(argv=None) -> tuple:
-    """The command line -> (Engine, its app, the listening socket, a line saying what is served), every step compiled
-    and every row warmed up: the server is ready once uvicorn runs the app on the socket. Raises UsageError."""
+def parse(argv=None) -> tuple:
+    """The command line -> (its options, the socket listening on --host and --port). Raises UsageError."""
     a = build_parser().parse_args(argv)
     if a.batch_size < 1:
         raise UsageError(f"--batch-size must be >= 1, got {a.batch_size}")
@@ -263,38 +270,93 @@ def build(argv=None) -> tuple:
         raise UsageError("--context must be >= 2 and --max-tokens >= 1")
     if tp.world_size() > 1:
         raise UsageError("serve.py runs in one process, not under torchrun")
-    sock = listen(a.host, a.port)  # before the slow work: a port in use is said at once
+    return a, listen(a.host, a.port)  # before the slow work: a port in use is said at once
+
+
+def load(a, sock) -> tuple:
+    """The model, head and steps of the options a -> (an Engine not yet run, a line saying what is served). Raises
+    UsageError."""
+    gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
+                                    depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
+                                    draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots,
+                                    batch=a.batch_size, context=a.context)
+    margs = gen.target.args
+    context = min(a.context, margs.block_size)
+    chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
+    engine = Engine(gen, tokenizer, a.batch_size, context, chat_template, a.max_tokens,
+                    a.batch_size if a.cache_rows is None else a.cache_rows, log=lambda s: print(s, file=sys.stderr))
+    host, port = sock.getsockname()[:2]
+    return engine, f"serving {model_name(a)} ({a.speculate}, {a.batch_size} rows, context {context}) on http://{host}:{port}"
+
+
+def model_name(a) -> str:
+    return a.model_name or (a.checkpoint.name if a.checkpoint else DEFAULT_NAME)
+
+
+def build(argv=None) -> tuple:
+    """The command line -> (Engine, its app, the listening socket, a line saying what is served), the model loaded: the
+    server runs once the Engine runs (Engine.start) and uvicorn serves the app on the socket. Raises UsageError."""
+    a, sock = parse(argv)
     try:
-        gen, tokenizer = load_generator(a.checkpoint, a.draft, a.speculate, device=a.device, dtype=a.dtype, compile=a.compile,
-                                        depth=a.depth, topk=a.topk, num_draft_tokens=a.num_draft_tokens, speculate_k=a.speculate_k,
-                                        draft_vocab=a.draft_vocab, draft_checkpoint=a.draft_checkpoint, lookup_slots=a.lookup_slots,
-                                        batch=a.batch_size)
-        margs = gen.target.args
-        context = min(a.context, margs.block_size)
-        chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
-        engine = Engine(gen, tokenizer, a.batch_size, context, chat_template, a.max_tokens,
-                        a.batch_size if a.cache_rows is None else a.cache_rows, log=lambda s: print(s, file=sys.stderr))
+        engine, banner = load(a, sock)
     except BaseException:
         sock.close()
         raise
-    torch.manual_seed(a.seed)  # after the warm-up's draws
-    name = a.model_name or (a.checkpoint.name if a.checkpoint else DEFAULT_NAME)
-    host, port = sock.getsockname()[:2]
-    banner = f"serving {name} ({a.speculate}, {a.batch_size} rows, context {context}) on http://{host}:{port}"
-    return engine, make_app(engine, name), sock, banner
+    app = make_app(model_name(a))
+    app.state.engine = engine
+    return engine, app, sock, banner
 
 
 def main(argv=None) -> int:
+    """HTTP on a thread of its own from the start (503 until ready); the model loaded, warmed up and run on this one,
+    the thread its kernels stay on (engine.py). SIGINT or SIGTERM drains: no new connection, the open ones answered,
+    exit 0; a second one aborts what is left (each stream gets an error event), exit 1."""
     try:
-        engine, app, sock, banner = build(argv)
+        a, sock = parse(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(banner, file=sys.stderr, flush=True)
-    uvicorn_server(app).run(sockets=[sock])
-    engine.close()
+    app = make_app(model_name(a))
+    server = uvicorn_server(app)
+
+    def http():
+        server.run(sockets=[sock])
+        if app.state.engine is not None:
+            app.state.engine.close()  # every connection answered: the loop ends once its rows are done
+
+    thread = threading.Thread(target=http, name="http", daemon=True)
+    thread.start()
+    try:
+        engine, banner = load(a, sock)
+    except UsageError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    app.state.engine = engine
+
+    def ready():
+        print(banner, file=sys.stderr, flush=True)
+        drain_on_signals(server, engine)
+
+    engine.run(on_ready=ready)
+    if engine.counts["aborted"]:
+        print(f"stopped: {engine.counts['aborted']} requests aborted", file=sys.stderr)
+        return 1
+    thread.join()
     print("drained: every request answered", file=sys.stderr)
     return 0
+
+
+def drain_on_signals(server, engine):
+    """SIGINT and SIGTERM: the first drains (uvicorn stops taking connections and answers the open ones), the second
+    aborts (Engine.abort)."""
+    def handle(signum, frame):
+        if server.should_exit:
+            server.force_exit = True
+            engine.abort()
+        server.should_exit = True
+
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        signal.signal(sig, handle)
 
 
 if __name__ == "__main__":

@@ -240,6 +240,24 @@ def test_a_regrown_cache_still_recompiles_the_steps(tiny_args, random_model, ran
     assert target.max_seq_length > before
 
 
+def test_packaged_steps_are_built_again_for_regrown_caches(tiny_args, random_model, single_thread, compile_cache):
+    # A packaged step keeps no guards: its sizes are its caches' at build time. Caches regrown after it was built
+    # (a server reserving its context, a longer answer) must get steps built for their size, never the old one replayed
+    # over them (which ran, on the default model, at half its speed).
+    args = tiny_args(block_size=4096)
+    target = random_model(args, seed=0)
+    compiled, eager = Generator(target, compile=True), Generator(target)
+    short = prompts([7])[0]
+    expected = eager.generate(short, 8, Sampling(), stop_ids=set()).token_ids
+    assert compiled.generate(short, 8, Sampling(), stop_ids=set()).token_ids == expected
+    before = target.max_seq_length
+    seconds = compiled.compile_seconds
+    compiled.reserve(before + 1)
+    assert target.max_seq_length > before
+    assert compiled.generate(short, 8, Sampling(), stop_ids=set()).token_ids == expected
+    assert compiled.compile_seconds > seconds  # its steps built anew
+
+
 WARM_START = r"""
 import json, sys
 sys.path[:0] = [{repo!r}, {tests!r}]

@@ -17,6 +17,7 @@ import torch
 from safetensors.torch import save_file
 
 import serve
+from engine import Job
 from weights import save_head
 from eaglet import GREEDY, load_generator
 from hf_fixtures import EOS_ID, write_tokenizer
@@ -51,12 +52,13 @@ class Running:
 
     def __init__(self, argv: list):
         self.engine, app, sock, _ = serve.build([*argv, "--port", "0"])
+        self.engine.start()
         self.server = serve.uvicorn_server(app)
         self.thread = threading.Thread(target=self.server.run, kwargs={"sockets": [sock]}, daemon=True)
         self.thread.start()
         self.port = sock.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
-        while not self.server.started:
+        while not (self.server.started and self.engine.ready):
             time.sleep(0.01)
         self.client = openai.OpenAI(base_url=self.url + "/v1", api_key="none", max_retries=0, timeout=120)
 
@@ -280,6 +282,46 @@ def test_an_exception_in_one_request_fails_it_alone(servers, refs):
         engine.usage = usage
     assert server.health()["failed"] >= 2 and server.health()["busy"] == 0
     assert chat(server.client, QUESTIONS[4])[1] == refs[QUESTIONS[4]][1]
+
+
+def test_every_endpoint_answers_503_until_the_model_is_ready():
+    sock = serve.listen("127.0.0.1", 0)
+    server = serve.uvicorn_server(serve.make_app("m"))  # app.state.engine None: the model still loading
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+        with pytest.raises(urllib.error.HTTPError) as e:
+            urllib.request.urlopen(url + "/health")
+        assert e.value.code == 503 and json.loads(e.value.read())["status"] == "loading"
+        status, body = post(url + "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}]}).encode())
+        assert status == 503 and body["error"]["type"] == "server_error" and "loading" in body["error"]["message"]
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
+def test_abort_ends_every_request_with_an_error_event(tiny):
+    engine, _, sock, _ = serve.build([*tiny, "--port", "0", "--batch-size", "2"])
+    sock.close()
+    engine.start()
+    events, ended = [], threading.Event()
+
+    def emit(event):  # called on the engine's thread: the abort lands before its next step, whatever the timing
+        events.append(event)
+        if "token_ids" in event and len(events) == 1:
+            engine.abort()
+        if "error" in event or "finish_reason" in event:
+            ended.set()
+
+    prompt = encode_prompt(engine.tokenizer, engine.gen.target.args, [{"role": "user", "content": QUESTIONS[0]}], True)
+    assert engine.submit(Job(prompt, 200, GREEDY, frozenset(), (), None, emit))
+    assert ended.wait(60)
+    engine.close()
+    assert "error" in events[-1] and not any("finish_reason" in e for e in events)
+    assert engine.health()["aborted"] == 1 and engine.health()["busy"] == 0
 
 
 @pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT])
