@@ -34,6 +34,10 @@ IGNORED = {"model": str, "user": str, "stream_options": dict, "frequency_penalty
            "best_of": int, "parallel_tool_calls": bool, "metadata": dict, "store": bool, "service_tier": str}
 
 
+MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched at every token: bounded, so one request cannot stall the others
+BODY_BYTES_PER_TOKEN = 64  # a request body past 64 bytes a token of the context (plus 64 KiB) cannot fit it: 413 unread
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = UsageParser(description="Serve a LLaMA-family model over an OpenAI-compatible HTTP API, with speculative decoding and continuous batching.")
     p.add_argument("--host", default="127.0.0.1", help="address to listen on (default: this machine only)")
@@ -121,6 +125,8 @@ def parse_request(req, chat: bool, engine) -> dict:
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop) or "" in stop:
         raise BadRequest("stop must be a string or a list of non-empty strings and token ids", "stop")
+    if len(stop) > MAX_STOPS or any(isinstance(s, str) and len(s) > MAX_STOP_CHARS for s in stop):
+        raise BadRequest(f"stop takes at most {MAX_STOPS} entries of at most {MAX_STOP_CHARS} characters each", "stop")
     stop_ids = [s for s in stop if isinstance(s, int)]
     try:
         check_prompts(args, [prompt], max_tokens, stop_ids)  # token ids within the vocabulary
@@ -138,6 +144,18 @@ def parse_request(req, chat: bool, engine) -> dict:
 
 # ---------------------------------------------------------------- HTTP
 
+async def read_body(request, limit: int):
+    """The request's body, or None once it is past limit bytes (what is left of it unread)."""
+    if int(request.headers.get("content-length") or 0) > limit:
+        return None
+    body = bytearray()
+    async for chunk in request.stream():
+        body += chunk
+        if len(body) > limit:
+            return None
+    return bytes(body)
+
+
 def error_response(status: int, message: str, param=None, kind="invalid_request_error"):
     from fastapi.responses import JSONResponse
 
@@ -148,6 +166,7 @@ def make_app(model_name: str):
     """The HTTP face of app.state.engine (None while the model loads: every endpoint answers 503 until it is ready)."""
     from fastapi import FastAPI, Request
     from fastapi.responses import JSONResponse, StreamingResponse
+    from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="eaglet")
     app.state.engine = None
@@ -155,6 +174,10 @@ def make_app(model_name: str):
 
     def ready():
         return app.state.engine is not None and app.state.engine.ready
+
+    @app.exception_handler(StarletteHTTPException)
+    async def http_error(request, e):  # 404, 405, ...: OpenAI's error object, not Starlette's {"detail"}
+        return error_response(e.status_code, str(e.detail))
 
     @app.get("/health")
     def health():
@@ -170,11 +193,17 @@ def make_app(model_name: str):
         if not ready():
             return error_response(503, "the model is loading: try again once /health says ok", kind="server_error")
         engine = app.state.engine
+        limit = BODY_BYTES_PER_TOKEN * engine.context + 65536
         try:
+            body = await read_body(request, limit)
+            if body is None:
+                return error_response(413, f"the request body is over {limit} bytes: no prompt that long fits the context of {engine.context} tokens")
             try:
-                req = json.loads(await request.body())
+                req = json.loads(body)
             except (ValueError, UnicodeDecodeError) as e:
                 raise BadRequest(f"the request body is not valid JSON: {e}") from None
+            except RecursionError:
+                raise BadRequest("the request body is not valid JSON: nested too deep") from None
             fields = parse_request(req, chat, engine)
             stream = fields.pop("stream")
             events, loop = asyncio.Queue(), asyncio.get_running_loop()

@@ -33,6 +33,9 @@ def build_parser():
     p.add_argument("--concurrency", type=int, nargs="+", default=[1, 4, 8])
     p.add_argument("--requests", type=int, default=16, help="requests at each concurrency")
     p.add_argument("--max-tokens", type=int, default=64)
+    p.add_argument("--conversation", type=int, default=0, metavar="TURNS",
+                   help="also one client's conversation of TURNS turns (the MT-bench questions), each request sending the whole history: "
+                        "time to first token per turn")
     p.add_argument("--out", type=Path, default=None, help="append the figures to this JSON file (a list)")
     return p
 
@@ -42,10 +45,12 @@ def questions(n: int) -> list:
     return [rows[i % len(rows)]["turns"][0] for i in range(n)]
 
 
-def one_request(client, model: str, question: str, max_tokens: int) -> dict:
-    """One streamed chat completion -> its start, first-token and end times and the tokens it got."""
-    t0, first, tokens = time.perf_counter(), None, 0
-    stream = client.chat.completions.create(model=model, messages=[{"role": "user", "content": question}], max_tokens=max_tokens,
+def one_request(client, model: str, question, max_tokens: int) -> dict:
+    """One streamed chat completion of question (or a list of messages) -> its start, first-token and end times, the
+    tokens it got and its text."""
+    t0, first, tokens, text = time.perf_counter(), None, 0, []
+    messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
                                             temperature=0, stream=True, stream_options={"include_usage": True})
     usage = None
     for chunk in stream:
@@ -54,7 +59,20 @@ def one_request(client, model: str, question: str, max_tokens: int) -> dict:
         if chunk.choices and (chunk.choices[0].delta.content or (chunk.model_extra or {}).get("eaglet", {}).get("token_ids")):
             first = first or time.perf_counter()
             tokens += len((chunk.model_extra or {}).get("eaglet", {}).get("token_ids") or [0])
-    return {"start": t0, "first": first or time.perf_counter(), "end": time.perf_counter(), "tokens": usage or tokens}
+            text.append(chunk.choices[0].delta.content or "")
+    return {"start": t0, "first": first or time.perf_counter(), "end": time.perf_counter(), "tokens": usage or tokens, "text": "".join(text)}
+
+
+def conversation(client, model: str, turns: int, max_tokens: int) -> dict:
+    """One client's conversation: each turn a new question after the answers so far, the whole history sent each time
+    (as every OpenAI client does) -> time to first token per turn, and the last over the first."""
+    history, ttft = [], []
+    for q in questions(turns):
+        history.append({"role": "user", "content": q})
+        r = one_request(client, model, history, max_tokens)
+        history.append({"role": "assistant", "content": r["text"]})
+        ttft.append(round(1e3 * (r["first"] - r["start"]), 1))
+    return {"conversation_turns": turns, "ttft_ms_per_turn": ttft, "last_over_first": round(ttft[-1] / ttft[0], 2)}
 
 
 def percentile(values: list, q: float) -> float:
@@ -112,8 +130,8 @@ def main(argv=None) -> int:
         a = build_parser().parse_args(argv)
         if (a.url is None) == (a.serve is None):
             raise UsageError("give one of --url and --serve")
-        if a.requests < 1 or a.max_tokens < 1 or min(a.concurrency) < 1:
-            raise UsageError("--requests, --max-tokens and --concurrency must be >= 1")
+        if a.requests < 1 or a.max_tokens < 1 or min(a.concurrency) < 1 or a.conversation < 0:
+            raise UsageError("--requests, --max-tokens and --concurrency must be >= 1, --conversation >= 0")
         import openai
 
         proc, url = start_server(a.serve) if a.serve is not None else (None, a.url.rstrip("/"))
@@ -127,6 +145,10 @@ def main(argv=None) -> int:
         rows = []
         for c in a.concurrency:
             row = {"server": label, "max_tokens": a.max_tokens} | run_level(client, a.model, questions(a.requests), c, a.max_tokens)
+            print(json.dumps(row), flush=True)
+            rows.append(row)
+        if a.conversation:
+            row = {"server": label, "max_tokens": a.max_tokens} | conversation(client, a.model, a.conversation, a.max_tokens)
             print(json.dumps(row), flush=True)
             rows.append(row)
     finally:

@@ -227,6 +227,9 @@ BAD = {
     "a lone surrogate": b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
     "a seed past 2^63": b'{"messages": [{"role": "user", "content": "hi"}], "seed": 99999999999999999999, "temperature": 1}',
     "a temperature past float": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": 1' + b"0" * 400 + b'}',
+    "JSON nested too deep": b"[" * 30000 + b"]" * 30000,
+    "too many stop strings": json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17}).encode(),
+    "a stop string too long": json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 257]}).encode(),
 }
 
 
@@ -235,6 +238,14 @@ def test_a_bad_request_gets_400_with_openais_error_object(servers, name):
     status, body = post(servers["none"].url + "/v1/chat/completions", BAD[name])
     assert status == 400 and body["error"]["type"] == "invalid_request_error" and body["error"]["message"]
     assert set(body["error"]) == {"message", "type", "param", "code"}
+
+
+def test_a_body_too_large_a_wrong_path_or_method_get_openais_error_object(servers):
+    url = servers["none"].url
+    status, body = post(url + "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "abc " * 40000}]}).encode())
+    assert status == 413 and "over" in body["error"]["message"]
+    assert post(url + "/v1/nothing", b"{}")[0] == 404 and post(url + "/v1/nothing", b"{}")[1]["error"]["message"]
+    assert post(url + "/v1/models", b"{}")[0] == 405 and post(url + "/v1/models", b"{}")[1]["error"]["message"]
 
 
 def test_the_openai_client_sees_a_bad_request(servers):
