@@ -6,8 +6,8 @@
 # The loop runs on the thread that loaded the model (run()), not on a thread of its own: on a CPU every thread that
 # runs parallel kernels keeps a pool of OpenMP workers, and once a process holds more of them than it has cores,
 # libgomp's workers sleep between parallel regions instead of spinning, so every one of a step's few hundred regions
-# pays a wake-up (docs/serving.md: a second compute thread halves the command line's speed). serve.py's HTTP thread
-# runs no kernel.
+# pays a wake-up (docs/cpu.md, "Threads under load": a second compute thread halves a step's speed). serve.py's HTTP
+# thread runs no kernel.
 import collections
 import sys
 import threading
