@@ -21,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 
 import dtypes
 import ops
+from errors import UsageError
 from sampling import KINDS, Sampling
 from speculate import CHAINS
 
@@ -58,6 +59,10 @@ class Rows:
     def __init__(self, target, drafter, state, count: int):
         self.models, self.count = (target, drafter, state), count
         self.own = written(target, drafter, state)
+        need, free = count * sum(b.numel() * b.element_size() for own in self.own for b in own.values()), dtypes.free_bytes(next(iter(self.own[0].values())).device)
+        if free is not None and need > 0.9 * free:  # said now, not by the kernel's OOM killer halfway through
+            raise UsageError(f"{count} rows of caches need {need / 2**30:.1f} GiB, and {free / 2**30:.1f} GiB is free: fewer rows "
+                             "(--batch-size, --cache-rows) or a shorter --context")
         self.rows = tuple({n: torch.zeros((count, *b.shape), dtype=b.dtype, device=b.device) for n, b in own.items()} for own in self.own)
         for model, own, rows in zip(self.models, self.own, self.rows):
             for n, b in own.items():

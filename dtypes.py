@@ -5,6 +5,7 @@
 import platform
 import time
 from pathlib import Path
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -81,6 +82,17 @@ def measure_cpu() -> dict:
 
 def default_device() -> str:
     return "cuda" if torch.cuda.is_available() else "cpu"
+
+
+def free_bytes(device) -> Optional[int]:
+    """Memory a new allocation on device may take: CUDA's free memory, or Linux's MemAvailable; None where unknown."""
+    if torch.device(device).type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    try:
+        kib = next(line.split()[1] for line in Path("/proc/meminfo").read_text().splitlines() if line.startswith("MemAvailable:"))
+        return int(kib) * 1024
+    except (OSError, StopIteration, ValueError):
+        return None
 
 
 def synchronizer(device):

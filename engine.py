@@ -50,11 +50,11 @@ class Engine:
     answered at once; cached: more rows that keep finished requests' caches for later prefixes."""
 
     def __init__(self, gen, tokenizer, rows: int, context: int, chat_template: bool, default_max_tokens: int, cached: int = 0,
-                 log=print):
+                 max_waiting: Optional[int] = None, log=print):
         self.gen, self.tokenizer, self.rows, self.context = gen, tokenizer, rows, context
         self.chat_template, self.default_max_tokens = chat_template, default_max_tokens
         self.waiting, self.cond, self.closing, self.ready = collections.deque(), threading.Condition(), False, False
-        self.aborting = False
+        self.aborting, self.max_waiting = False, max_waiting
         self.counts, self.log, self.thread = collections.Counter(), log, None
         self.depth = gen.spec.depth + 1 if gen.spec else 1
         gen.reserve(context)  # every request's caches, allocated once: rows made now stay valid
@@ -98,17 +98,20 @@ class Engine:
         self.batch.counts.clear()
         self.ready = True
 
-    def submit(self, job: Job) -> bool:
-        """job into the queue -> False when the engine is closing (no new request is taken)."""
+    def submit(self, job: Job) -> str:
+        """job into the queue -> "taken", or "closing" (no new request is taken), or "full" (max_waiting wait already)."""
         with self.cond:
             if self.closing:
-                return False
+                return "closing"
+            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+                self.counts["refused"] += 1
+                return "full"
             job.hist = [0] * self.depth
             job.decoder = StreamDecoder(self.tokenizer)
             self.waiting.append(job)
             self.counts["requests"] += 1
             self.cond.notify()
-            return True
+            return "taken"
 
     def close(self):
         """Stops the loop once every request taken or waiting is answered (from any thread; start()'s is joined)."""
@@ -236,4 +239,4 @@ class Engine:
                     "busy": len(self.batch.live), "waiting": len(self.waiting), "cycles": self.counts["cycles"],
                     "shared_cycles": self.counts["shared_cycles"], "requests": self.counts["requests"],
                     "cancelled": self.counts["cancelled"], "failed": self.counts["failed"], "aborted": self.counts["aborted"],
-                    "steps": steps}
+                    "refused": self.counts["refused"], "steps": steps}

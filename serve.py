@@ -11,6 +11,8 @@ import interrupt  # noqa: F401  first of all: Ctrl-C during the imports below ex
 import argparse
 import asyncio
 import json
+import math
+import os
 import signal
 import socket
 import sys
@@ -28,10 +30,18 @@ from engine import Engine, Job
 from errors import UsageError, UsageParser
 from tokenizer import check_text, encode_prompt
 
-# Request fields OpenAI's API defines that this server accepts and ignores (type-checked all the same).
-IGNORED = {"model": str, "user": str, "stream_options": dict, "frequency_penalty": (int, float), "presence_penalty": (int, float),
-           "logit_bias": dict, "logprobs": (bool, int), "top_logprobs": int, "response_format": dict, "echo": bool, "suffix": str,
-           "best_of": int, "parallel_tool_calls": bool, "metadata": dict, "store": bool, "service_tier": str}
+# Every field of OpenAI's chat and completions requests is one of three kinds (docs/serving.md lists them):
+# READ: parse_request answers by it. INERT: changes no answer, accepted (type-checked all the same). OFF: not
+# implemented, accepted only at a value that means "not used" (a client library's default), any other value a 400 naming
+# it. Any other field is a 400 too: nothing a client asks for is silently dropped.
+READ = {"messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "temperature", "top_k", "top_p", "seed",
+        "stream", "stream_options"}
+INERT = {"model": str, "user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
+         "prompt_cache_key": str, "safety_identifier": str}
+OFF = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,),
+       "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],),
+       "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "modalities": (["text"],),
+       "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched at every token: bounded, so one request cannot stall the others
@@ -46,6 +56,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--cache-rows", type=int, default=None, help="more rows keeping finished requests' caches, whose prefixes later requests reuse (default: --batch-size)")
     p.add_argument("--context", type=int, default=2048, help="prompt plus max_tokens of one request, at most (and at most the model's context)")
     p.add_argument("--max-tokens", type=int, default=200, help="a request's max_tokens when it sets none (less when its prompt leaves less room)")
+    p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row, at most: past it 429 with Retry-After")
+    p.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY"), help="the key every endpoint but /health wants as 'Authorization: Bearer KEY' (default: $EAGLET_API_KEY, else none)")
+    p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request's headers, and then its body, may take to arrive (then 408 or closed)")
+    p.add_argument("--drain-timeout", type=float, default=25.0, help="seconds SIGINT or SIGTERM waits for the open requests before it aborts them (a second signal: at once)")
     p.add_argument("--model-name", default=None, help="the model's id in /v1/models and responses (default: the checkpoint directory's name)")
     add_model_flags(p)
     p.add_argument("--chat", action=argparse.BooleanOptionalAction, default=None, help="apply the chat template to messages (default: on for chat models)")
@@ -74,6 +88,25 @@ def field_of(req: dict, name: str, kind, default=None):
     return value
 
 
+def same(value, off) -> bool:
+    """value is off: numbers by value (0.0 is 0), anything else of off's own type (false is not 0)."""
+    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
+    return value == off if number(value) and number(off) else type(value) is type(off) and value == off
+
+
+def check_fields(req: dict):
+    """BadRequest for a field this server would not honour (see READ, INERT and OFF above)."""
+    for name, value in req.items():
+        if name in INERT:
+            field_of(req, name, INERT[name])
+        elif name in OFF:
+            if value is not None and not any(same(value, off) for off in OFF[name]):
+                raise BadRequest(f"{name} is not supported by this server (accepted only as null"
+                                 f"{''.join(f' or {json.dumps(off)}' for off in OFF[name])}), got {json.dumps(value)[:60]}", name)
+        elif name not in READ:
+            raise BadRequest(f"unrecognized request field: {name}", name)
+
+
 def message_text(content, i: int) -> str:
     """A message's content: a string, or OpenAI's list of parts of which the text ones count."""
     if isinstance(content, str):
@@ -87,8 +120,7 @@ def parse_request(req, chat: bool, engine) -> dict:
     """The JSON body of a completion request -> Job's fields and stream; BadRequest (400) on bad input."""
     if not isinstance(req, dict):
         raise BadRequest("the request body must be a JSON object")
-    for name, kind in IGNORED.items():
-        field_of(req, name, kind)
+    check_fields(req)
     args, tokenizer = engine.gen.target.args, engine.tokenizer
     if chat:
         messages = field_of(req, "messages", list)
@@ -138,8 +170,14 @@ def parse_request(req, chat: bool, engine) -> dict:
     seed = field_of(req, "seed", int)
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise BadRequest(f"seed must be in [0, 2^63), got {seed}", "seed")
+    stream, options = field_of(req, "stream", bool, False), field_of(req, "stream_options", dict, {})
+    if options and not stream:
+        raise BadRequest("stream_options is only allowed when stream is true", "stream_options")
+    if set(options) - {"include_usage"}:
+        raise BadRequest(f"stream_options takes include_usage only, got {sorted(options)}", "stream_options")
+    include_usage = field_of(options, "include_usage", bool, False)
     return dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(args.stop_tokens) | frozenset(stop_ids),
-                stops=tuple(s for s in stop if isinstance(s, str)), seed=seed, stream=field_of(req, "stream", bool, False))
+                stops=tuple(s for s in stop if isinstance(s, str)), seed=seed, stream=stream, include_usage=include_usage)
 
 
 # ---------------------------------------------------------------- HTTP
@@ -156,24 +194,99 @@ async def read_body(request, limit: int):
     return bytes(body)
 
 
-def error_response(status: int, message: str, param=None, kind="invalid_request_error"):
+def error_response(status: int, message: str, param=None, kind="invalid_request_error", code=None, headers=None):
     from fastapi.responses import JSONResponse
 
-    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": None}}, status_code=status)
+    return JSONResponse({"error": {"message": message, "type": kind, "param": param, "code": code}}, status_code=status, headers=headers)
 
 
-def make_app(model_name: str):
-    """The HTTP face of app.state.engine (None while the model loads: every endpoint answers 503 until it is ready)."""
+async def departure(request):
+    """Returns once the client has gone (its body read already: uvicorn's next message is the disconnect)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
+
+
+def ended(event: dict) -> bool:
+    return "error" in event or "finish_reason" in event
+
+
+class Metrics:
+    """The server for Prometheus (GET /metrics): the engine's counts and gauges, read when scraped, and of every answer
+    its tokens, time to first token, time per token after the first, and tau."""
+
+    def __init__(self, app):
+        from prometheus_client import CollectorRegistry, Counter, Histogram
+
+        self.app, self.registry = app, CollectorRegistry()
+        r = self.registry
+        self.answers = Counter("eaglet_answers", "answers ended, by how: stop, length, error or cancelled", ["finish"], registry=r)
+        self.prompt_tokens = Counter("eaglet_prompt_tokens", "prompt tokens of the answers ended", registry=r)
+        self.completion_tokens = Counter("eaglet_completion_tokens", "tokens answered", registry=r)
+        self.ttft = Histogram("eaglet_time_to_first_token_seconds", "from a request's arrival to its first tokens", registry=r,
+                              buckets=(0.025, 0.05, 0.1, 0.2, 0.4, 0.8, 1.6, 3.2, 6.4, 12.8, 25.6))
+        self.tpot = Histogram("eaglet_time_per_output_token_seconds", "an answer's time per token after its first", registry=r,
+                              buckets=(0.0025, 0.005, 0.01, 0.02, 0.04, 0.08, 0.16, 0.32, 0.64))
+        self.tau = Histogram("eaglet_tokens_per_cycle", "an answer's tau: tokens committed per target forward", registry=r,
+                             buckets=(1, 1.5, 2, 2.5, 3, 3.5, 4, 5, 6, 8))
+        r.register(self)  # collect() below: the engine's own figures
+
+    def collect(self):
+        from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+
+        engine = self.app.state.engine
+        h = engine.health() if engine is not None else {}
+        yield GaugeMetricFamily("eaglet_ready", "1 once every step is built and requests are answered", value=h.get("status") == "ok")
+        for name, doc in (("rows", "rows answering requests at once"), ("busy", "rows answering now"), ("waiting", "requests waiting for a row")):
+            yield GaugeMetricFamily(f"eaglet_{name}", doc, value=h.get(name, 0))
+        for name, doc in (("requests", "requests taken"), ("refused", "requests refused with 429: the queue was full"),
+                          ("cycles", "steps of the rows"), ("shared_cycles", "steps shared by more than one row"),
+                          ("cancelled", "answers whose client left"), ("failed", "answers a fault ended"), ("aborted", "answers a stop cut")):
+            yield CounterMetricFamily(f"eaglet_{name}", doc, value=h.get(name, 0))
+        steps = CounterMetricFamily("eaglet_steps", "steps by kind and rows (what batch.py ran)", labels=["step"])
+        for label, count in h.get("steps", {}).items():
+            steps.add_metric([label], count)
+        yield steps
+
+    def describe(self):
+        return []  # collected afresh at each scrape
+
+    def answered(self, job, event: dict, first: Optional[float]):
+        """An answer's figures from its last event; first: when its first tokens came (perf_counter), None if none did."""
+        self.answers.labels("error" if "error" in event else event.get("finish_reason") or "cancelled").inc()
+        self.prompt_tokens.inc(len(job.prompt))
+        self.completion_tokens.inc(len(job.ids))
+        if first is not None:
+            self.ttft.observe(first - job.arrived)
+            if len(job.ids) > 1:
+                self.tpot.observe((time.perf_counter() - first) / (len(job.ids) - 1))
+        if "tau" in event.get("eaglet", {}):
+            self.tau.observe(event["eaglet"]["tau"])
+
+
+def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float = 30.0):
+    """The HTTP face of app.state.engine (None while the model loads: every endpoint answers 503 until it is ready).
+    api_key: the key every endpoint but /health wants (Authorization: Bearer ...); read_timeout: seconds a request's
+    body may take to arrive."""
+    import hmac
+
     from fastapi import FastAPI, Request
-    from fastapi.responses import JSONResponse, StreamingResponse
+    from fastapi.responses import JSONResponse, Response, StreamingResponse
+    from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
     from starlette.exceptions import HTTPException as StarletteHTTPException
 
     app = FastAPI(title="eaglet")
-    app.state.engine = None
+    app.state.engine, app.state.read_timeout = None, read_timeout
+    metrics = Metrics(app)
     created = int(time.time())
 
     def ready():
         return app.state.engine is not None and app.state.engine.ready
+
+    def refused(request):
+        """A 401 when the request lacks the key, else None."""
+        if api_key is None or hmac.compare_digest(request.headers.get("authorization", "").encode(), f"Bearer {api_key}".encode()):
+            return None
+        return error_response(401, "a valid API key is needed: Authorization: Bearer <key>", code="invalid_api_key")
 
     @app.exception_handler(StarletteHTTPException)
     async def http_error(request, e):  # 404, 405, ...: OpenAI's error object, not Starlette's {"detail"}
@@ -185,17 +298,27 @@ def make_app(model_name: str):
             return JSONResponse({"status": "loading"}, status_code=503)
         return JSONResponse(app.state.engine.health(), status_code=200 if ready() else 503)
 
+    @app.get("/metrics")
+    def prometheus(request: Request):
+        return refused(request) or Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
     @app.get("/v1/models")
-    def models():
-        return {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "eaglet"}]}
+    def models(request: Request):
+        return refused(request) or {"object": "list", "data": [{"id": model_name, "object": "model", "created": created, "owned_by": "eaglet"}]}
 
     async def complete(request: Request, chat: bool):
+        if denied := refused(request):
+            return denied
         if not ready():
             return error_response(503, "the model is loading: try again once /health says ok", kind="server_error")
         engine = app.state.engine
         limit = BODY_BYTES_PER_TOKEN * engine.context + 65536
         try:
-            body = await read_body(request, limit)
+            try:
+                async with asyncio.timeout(read_timeout):
+                    body = await read_body(request, limit)
+            except TimeoutError:
+                return error_response(408, f"the request body did not arrive within {read_timeout:g} s")
             if body is None:
                 return error_response(413, f"the request body is over {limit} bytes: no prompt that long fits the context of {engine.context} tokens")
             try:
@@ -205,25 +328,38 @@ def make_app(model_name: str):
             except RecursionError:
                 raise BadRequest("the request body is not valid JSON: nested too deep") from None
             fields = parse_request(req, chat, engine)
-            stream = fields.pop("stream")
+            stream, include_usage = fields.pop("stream"), fields.pop("include_usage")
             events, loop = asyncio.Queue(), asyncio.get_running_loop()
             job = Job(**fields, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-            if not engine.submit(job):
+            taken = engine.submit(job)
+            if taken == "closing":
                 return error_response(503, "the server is shutting down", kind="server_error")
+            if taken == "full":
+                return error_response(429, f"{engine.max_waiting} requests are waiting for a row already: try again shortly",
+                                      kind="requests", code="rate_limit_exceeded", headers={"Retry-After": "1"})
         except (BadRequest, UsageError, OverflowError) as e:  # UsageError: text that is not Unicode; OverflowError: a number past float
             return error_response(400, str(e), getattr(e, "param", None))
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name}
         if stream:
-            return StreamingResponse(sse(job, events, base, chat), media_type="text/event-stream")
-        parts, ids, event = [], [], {}
+            return StreamingResponse(sse(job, events, base, chat, include_usage), media_type="text/event-stream")
+        parts, ids, event, first = [], [], {}, None
+        gone = asyncio.ensure_future(departure(request))
         try:
-            while not ("error" in event or "finish_reason" in event):
-                event = await events.get()
+            while not ended(event):
+                got = asyncio.ensure_future(events.get())
+                await asyncio.wait((got, gone), return_when=asyncio.FIRST_COMPLETED)
+                if not got.done():  # the client left: its row is freed at the next step
+                    got.cancel()
+                    return Response(status_code=499)
+                event = got.result()
+                first = first or (time.perf_counter() if event.get("token_ids") else None)
                 parts.append(event.get("text", ""))
                 ids += event.get("token_ids", [])
         finally:
-            job.cancelled = not ("error" in event or "finish_reason" in event)  # the handler was cancelled: the client left
+            gone.cancel()
+            job.cancelled = not ended(event)
+            metrics.answered(job, event, first)
         if "error" in event:
             return error_response(500, event["error"], kind="server_error")
         text = "".join(parts)
@@ -231,32 +367,32 @@ def make_app(model_name: str):
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         return base | {"choices": [choice], "usage": event["usage"], "eaglet": event["eaglet"] | {"token_ids": ids}}
 
-    async def sse(job: Job, events: asyncio.Queue, base: dict, chat: bool):
+    async def sse(job: Job, events: asyncio.Queue, base: dict, chat: bool, include_usage: bool):
         base = base | {"object": "chat.completion.chunk" if chat else "text_completion"}
-        done = False
+        event, first = {}, None
         try:
-            first = True
             while True:
                 event = await events.get()
                 if "error" in event:
-                    done = True
                     yield f"data: {json.dumps({'error': {'message': event['error'], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
                     return
-                finish = event.get("finish_reason")
+                finish, opening = event.get("finish_reason"), first is None
+                first = first or time.perf_counter()
                 if chat:
-                    delta = {} if finish else {"content": event["text"]} | ({"role": "assistant"} if first else {})
+                    delta = {} if finish else {"content": event["text"]} | ({"role": "assistant"} if opening else {})
                     choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
                 else:
                     choice = {"index": 0, "text": "" if finish else event["text"], "finish_reason": finish, "logprobs": None}
                 extra = {"usage": event["usage"], "eaglet": event["eaglet"]} if finish else {"eaglet": {"token_ids": event["token_ids"]}}
                 yield f"data: {json.dumps(base | {'choices': [choice]} | extra)}\n\n"
-                first = False
                 if finish:
-                    done = True
+                    if include_usage:  # OpenAI's last chunk: no choices, the usage
+                        yield f"data: {json.dumps(base | {'choices': [], 'usage': event['usage']})}\n\n"
                     yield "data: [DONE]\n\n"
                     return
         finally:
-            job.cancelled = not done  # the client left mid-answer: its row is freed at the next cycle
+            job.cancelled = not ended(event)  # the client left mid-answer: its row is freed at the next cycle
+            metrics.answered(job, event, first)
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -271,10 +407,55 @@ def make_app(model_name: str):
 
 def uvicorn_server(app, log_level: str = "warning"):
     """A uvicorn Server that, once told to exit (should_exit), takes no new connections and answers the open ones before
-    run() returns. Run on a thread other than the main one, it leaves the signals to its caller (drain_on_signals)."""
+    run() returns. Run on a thread other than the main one, it leaves the signals to its caller (drain_on_signals). A
+    connection whose request headers take longer than the app's read_timeout seconds is closed."""
     import uvicorn
+    from uvicorn.protocols.http.h11_impl import H11Protocol
 
-    return uvicorn.Server(uvicorn.Config(app, log_level=log_level, access_log=False, timeout_graceful_shutdown=None))
+    class Protocol(H11Protocol):
+        """uvicorn's HTTP/1.1 with a deadline for each request's headers, so clients trickling them cannot hold
+        connections (and a drain) open: armed when the connection opens and after each response."""
+        deadline = None
+
+        def connection_made(self, transport):
+            super().connection_made(transport)
+            self.arm()
+
+        def on_response_complete(self):
+            super().on_response_complete()
+            self.arm()
+
+        def connection_lost(self, exc):
+            self.deadline.cancel()
+            super().connection_lost(exc)
+
+        def arm(self):
+            if self.deadline is not None:
+                self.deadline.cancel()
+            self.deadline = self.loop.call_later(app.state.read_timeout, self.expire)
+
+        def expire(self):
+            if self.cycle is None or self.cycle.response_complete:  # no request's headers came since the timer was armed
+                self.transport.close()
+
+    async def stoppable(scope, receive, send):
+        """app, where a request that a forced stop cancels before its answer began gets a 503, not a traceback."""
+        began = False
+
+        async def sending(message):
+            nonlocal began
+            began = began or message["type"] == "http.response.start"
+            await send(message)
+
+        try:
+            await app(scope, receive, sending)
+        except asyncio.CancelledError:
+            if began:
+                raise
+            await error_response(503, "the server stopped before this request was answered", kind="server_error")(scope, receive, send)
+
+    return uvicorn.Server(uvicorn.Config(stoppable, http=Protocol, lifespan="off", log_level=log_level, access_log=False,
+                                         timeout_graceful_shutdown=None))
 
 
 def listen(host: str, port: int) -> socket.socket:
@@ -297,6 +478,13 @@ def parse(argv=None) -> tuple:
         raise UsageError(f"--cache-rows must be >= 0, got {a.cache_rows}")
     if a.context < 2 or a.max_tokens < 1:
         raise UsageError("--context must be >= 2 and --max-tokens >= 1")
+    if a.max_queue < 0:
+        raise UsageError(f"--max-queue must be >= 0, got {a.max_queue}")
+    for flag in ("read_timeout", "drain_timeout"):
+        if not (getattr(a, flag) > 0 and math.isfinite(getattr(a, flag))):
+            raise UsageError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(a, flag)}")
+    if a.api_key == "":
+        raise UsageError("--api-key is empty (leave it out for none)")
     if tp.world_size() > 1:
         raise UsageError("serve.py runs in one process, not under torchrun")
     return a, listen(a.host, a.port)  # before the slow work: a port in use is said at once
@@ -313,7 +501,7 @@ def load(a, sock) -> tuple:
     context = min(a.context, margs.block_size)
     chat_template = a.chat if a.chat is not None else bool(margs.chat_template)
     engine = Engine(gen, tokenizer, a.batch_size, context, chat_template, a.max_tokens,
-                    a.batch_size if a.cache_rows is None else a.cache_rows, log=lambda s: print(s, file=sys.stderr))
+                    a.batch_size if a.cache_rows is None else a.cache_rows, a.max_queue, log=lambda s: print(s, file=sys.stderr))
     host, port = sock.getsockname()[:2]
     return engine, f"serving {model_name(a)} ({a.speculate}, {a.batch_size} rows, context {context}) on http://{host}:{port}"
 
@@ -331,7 +519,7 @@ def build(argv=None) -> tuple:
     except BaseException:
         sock.close()
         raise
-    app = make_app(model_name(a))
+    app = make_app(model_name(a), a.api_key, a.read_timeout)
     app.state.engine = engine
     return engine, app, sock, banner
 
@@ -339,13 +527,14 @@ def build(argv=None) -> tuple:
 def main(argv=None) -> int:
     """HTTP on a thread of its own from the start (503 until ready); the model loaded, warmed up and run on this one,
     the thread its kernels stay on (engine.py). SIGINT or SIGTERM drains: no new connection, the open ones answered,
-    exit 0; a second one aborts what is left (each stream gets an error event), exit 1."""
+    exit 0; a second one, or --drain-timeout, aborts what is left (each stream gets an error event, a request not yet read
+    a 503), exit 1."""
     try:
         a, sock = parse(argv)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = make_app(model_name(a))
+    app = make_app(model_name(a), a.api_key, a.read_timeout)
     server = uvicorn_server(app)
 
     def http():
@@ -359,30 +548,36 @@ def main(argv=None) -> int:
         engine, banner = load(a, sock)
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
+        server.should_exit = True
+        thread.join()
         return 2
     app.state.engine = engine
 
     def ready():
         print(banner, file=sys.stderr, flush=True)
-        drain_on_signals(server, engine)
+        drain_on_signals(server, engine, a.drain_timeout)
 
     engine.run(on_ready=ready)
-    if engine.counts["aborted"]:
-        print(f"stopped: {engine.counts['aborted']} requests aborted", file=sys.stderr)
+    thread.join(timeout=5 if engine.aborting else None)  # forced: uvicorn closes what is open without waiting
+    if engine.aborting:  # a second signal, or the drain's time ran out
+        print(f"stopped: {engine.counts['aborted']} requests aborted, open connections closed", file=sys.stderr)
         return 1
-    thread.join()
     print("drained: every request answered", file=sys.stderr)
     return 0
 
 
-def drain_on_signals(server, engine):
-    """SIGINT and SIGTERM: the first drains (uvicorn stops taking connections and answers the open ones), the second
-    aborts (Engine.abort)."""
-    def handle(signum, frame):
+def drain_on_signals(server, engine, limit: float):
+    """SIGINT and SIGTERM: the first drains (uvicorn stops taking connections and answers the open ones) for at most
+    limit seconds, the second, or the limit, aborts (Engine.abort)."""
+    def handle(signum=None, frame=None):
         if server.should_exit:
             server.force_exit = True
             engine.abort()
+            return
         server.should_exit = True
+        timer = threading.Timer(limit, handle)
+        timer.daemon = True
+        timer.start()
 
     for sig in (signal.SIGINT, signal.SIGTERM):
         signal.signal(sig, handle)

@@ -186,7 +186,7 @@ def test_the_warm_up_after_a_build_puts_the_random_state_back_and_leaves_nothing
     # Generator.build runs a short answer through the steps it built: a seeded answer must draw as if it had not run,
     # and a chat's next turn must not reuse the caches that answer wrote.
     args = tiny_args()
-    gen = Generator(random_model(args, seed=0), TreeSpec("eagle2", depth=3, topk=4, num_draft_tokens=8), head=random_head(args, seed=1), compile=True)
+    gen = Generator(random_model(args, seed=0), TreeSpec("eagle2", depth=2, topk=2, num_draft_tokens=4), head=random_head(args, seed=1), compile=True)
     prompt, hot, cut = prompts([9])[0], Sampling(temperature=1.0), Sampling(temperature=1.0, top_k=8)
 
     def answer(rule=hot, reuse=False):

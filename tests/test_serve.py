@@ -4,6 +4,7 @@ import http.client
 import importlib.util
 import json
 import signal
+import socket
 import subprocess
 import sys
 import threading
@@ -198,6 +199,10 @@ def test_stop_strings_and_token_ids_end_the_answer(servers, refs):
     for stream in (False, True):
         text, _, finish, _, _ = chat(client, QUESTIONS[1], stream, stop=word)
         assert text == full[:full.index(word)] and finish == "stop"
+    # the tokens counted are those returned, through the one that completed the stop string, whatever the mode
+    answers = {mode: chat(servers[mode].client, QUESTIONS[1], stop=word) for mode in MODES}
+    assert answers["none"][1] == answers["eagle2"][1] and len(answers["none"][1]) < len(ref)
+    assert all(a[3].completion_tokens == len(a[1]) for a in answers.values())
 
 
 def post(url: str, body: bytes) -> tuple:
@@ -248,6 +253,43 @@ def test_a_body_too_large_a_wrong_path_or_method_get_openais_error_object(server
     assert post(url + "/v1/models", b"{}")[0] == 405 and post(url + "/v1/models", b"{}")[1]["error"]["message"]
 
 
+# a value of each field serve.py does not implement that would change the answer: a 400 naming the field
+NOT_HONOURED = {"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"5": -100}, "logprobs": True, "top_logprobs": 2,
+                "response_format": {"type": "json_object"}, "echo": True, "suffix": "end", "best_of": 3,
+                "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
+                "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "x"},
+                "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
+                "web_search_options": {}, "min_p": 0.1, "repetition_penalty": 1.1}
+
+
+@pytest.mark.parametrize("name", NOT_HONOURED)
+def test_a_field_the_server_does_not_honour_gets_400_naming_it(servers, name):
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, name: NOT_HONOURED[name]}
+    status, answer = post(servers["none"].url + "/v1/chat/completions", json.dumps(body).encode())
+    assert status == 400 and answer["error"]["param"] == name and name in answer["error"]["message"]
+
+
+def test_fields_at_their_off_values_and_inert_fields_change_nothing(servers, refs):
+    off = {"frequency_penalty": 0.0, "presence_penalty": 0, "logit_bias": {}, "logprobs": False, "top_logprobs": 0,
+           "response_format": {"type": "text"}, "tools": [], "tool_choice": "auto", "n": 1, "user": "u", "metadata": {"a": "b"},
+           "store": False, "service_tier": "auto", "parallel_tool_calls": True}
+    assert chat(servers["none"].client, QUESTIONS[1], **off)[1] == refs[QUESTIONS[1]][1]
+    text = servers["none"].client.completions.create(model="m", prompt="hi", max_tokens=3,
+                                                      extra_body={"echo": False, "suffix": "", "best_of": 1, "logprobs": None})
+    assert text.choices[0].finish_reason in ("stop", "length")
+
+
+def test_stream_options_include_usage_ends_with_a_usage_chunk(servers, refs):
+    prompt, ref = refs[QUESTIONS[1]]
+    chunks = list(servers["eagle2"].client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}],
+                                                                     max_tokens=NEW, stream=True, stream_options={"include_usage": True}))
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == len(ref) and chunks[-1].usage.prompt_tokens == len(prompt)
+    assert chunks[-2].choices[0].finish_reason in ("stop", "length")
+    status, body = post(servers["none"].url + "/v1/chat/completions", json.dumps(
+        {"messages": [{"role": "user", "content": "hi"}], "stream_options": {"include_usage": True}}).encode())
+    assert status == 400 and body["error"]["param"] == "stream_options"  # without stream
+
+
 def test_the_openai_client_sees_a_bad_request(servers):
     with pytest.raises(openai.BadRequestError, match="max_tokens"):
         servers["none"].client.completions.create(model="m", prompt="hi", max_tokens=0)
@@ -273,6 +315,25 @@ def test_a_client_that_leaves_mid_stream_frees_its_row(servers, refs):
     assert chat(server.client, QUESTIONS[0])[1] == refs[QUESTIONS[0]][1]
 
 
+def test_a_client_that_leaves_before_a_whole_answer_frees_its_row(servers, refs):
+    server = servers["none"]
+    before = server.health()
+    conn = http.client.HTTPConnection("127.0.0.1", server.port)
+    conn.request("POST", "/v1/chat/completions", json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 200,
+                                                              "stop": []}), {"Content-Type": "application/json"})
+    deadline = time.monotonic() + 60
+    while server.health()["busy"] == 0:  # its row is answering
+        assert time.monotonic() < deadline
+        time.sleep(0.001)
+    conn.sock.close()  # gone before the answer
+    conn.close()
+    while (h := server.health())["cancelled"] == before["cancelled"] or h["busy"]:
+        assert time.monotonic() < deadline, h
+        time.sleep(0.05)
+    assert h["cycles"] - before["cycles"] < 199  # the row was freed before its answer's 200 tokens
+    assert chat(server.client, QUESTIONS[0])[1] == refs[QUESTIONS[0]][1]
+
+
 def test_an_exception_in_one_request_fails_it_alone(servers, refs):
     server = servers["eagle2"]
     engine, usage = server.engine, server.engine.usage
@@ -291,8 +352,12 @@ def test_an_exception_in_one_request_fails_it_alone(servers, refs):
         assert chat(server.client, QUESTIONS[0], stream=True)[1] == refs[QUESTIONS[0]][1]
     finally:
         engine.usage = usage
-    assert server.health()["failed"] >= 2 and server.health()["busy"] == 0
+    assert server.health()["failed"] >= 2
     assert chat(server.client, QUESTIONS[4])[1] == refs[QUESTIONS[4]][1]
+    deadline = time.monotonic() + 60
+    while server.health()["busy"]:  # the last answer's row leaves just after its final event
+        assert time.monotonic() < deadline
+        time.sleep(0.01)
 
 
 def test_every_endpoint_answers_503_until_the_model_is_ready():
@@ -314,6 +379,75 @@ def test_every_endpoint_answers_503_until_the_model_is_ready():
         thread.join()
 
 
+def test_a_key_a_full_queue_and_metrics(tiny, refs):
+    """--api-key: 401 without it on every endpoint but /health. --max-queue 1: with the rows not yet answering, the
+    second waiting request gets 429 and Retry-After. /metrics: Prometheus's format, counting what was answered."""
+    from prometheus_client.parser import text_string_to_metric_families
+
+    engine, app, sock, _ = serve.build([*tiny, *MODES["eagle2"], "--port", "0", "--batch-size", "1", "--max-queue", "1", "--api-key", "sekret"])
+    server = serve.uvicorn_server(app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    url = f"http://127.0.0.1:{sock.getsockname()[1]}"
+    try:
+        while not server.started:
+            time.sleep(0.01)
+        keyed = openai.OpenAI(base_url=url + "/v1", api_key="sekret", max_retries=0, timeout=120)
+        with pytest.raises(openai.AuthenticationError):
+            openai.OpenAI(base_url=url + "/v1", api_key="wrong", max_retries=0).models.list()
+        for path in ("/metrics", "/v1/models"):
+            with pytest.raises(urllib.error.HTTPError) as e:
+                urllib.request.urlopen(url + path)
+            assert e.value.code == 401 and json.loads(e.value.read())["error"]["code"] == "invalid_api_key"
+        assert keyed.models.list().data[0].id == "target"
+        engine.ready = True  # taking requests, none answered until the engine runs
+        first = [None]
+        waiting = threading.Thread(target=lambda: first.__setitem__(0, chat(keyed, QUESTIONS[0])))
+        waiting.start()
+        while engine.health()["waiting"] == 0:
+            time.sleep(0.01)
+        with pytest.raises(openai.RateLimitError) as e:
+            chat(keyed, QUESTIONS[1])
+        assert e.value.response.headers["retry-after"] == "1"
+        engine.start()
+        waiting.join()
+        assert first[0][1] == refs[QUESTIONS[0]][1]
+        while engine.health()["busy"]:  # its row leaves just after its final event
+            time.sleep(0.01)
+        scrape = urllib.request.urlopen(urllib.request.Request(url + "/metrics", headers={"Authorization": "Bearer sekret"})).read().decode()
+        samples = {s.name + str(sorted(s.labels.items())): s.value for f in text_string_to_metric_families(scrape) for s in f.samples}
+        assert samples["eaglet_refused_total[]"] == 1 and samples["eaglet_requests_total[]"] == 1
+        assert samples["eaglet_completion_tokens_total[]"] == len(refs[QUESTIONS[0]][1])
+        assert samples["eaglet_time_to_first_token_seconds_count[]"] == 1 and samples["eaglet_tokens_per_cycle_count[]"] == 1
+        assert samples["eaglet_ready[]"] == 1 and samples["eaglet_busy[]"] == 0
+    finally:
+        server.should_exit = True
+        thread.join()
+        engine.close()
+
+
+def test_clients_slow_to_send_headers_or_a_body_are_cut_off(tiny):
+    engine, app, sock, _ = serve.build([*tiny, "--port", "0", "--batch-size", "1", "--read-timeout", "0.5"])
+    server = serve.uvicorn_server(app)
+    thread = threading.Thread(target=server.run, kwargs={"sockets": [sock]}, daemon=True)
+    thread.start()
+    port = sock.getsockname()[1]
+    try:
+        engine.ready = True
+        while not server.started:
+            time.sleep(0.01)
+        headers = socket.create_connection(("127.0.0.1", port), timeout=10)
+        headers.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\n")  # never the headers' end
+        body = socket.create_connection(("127.0.0.1", port), timeout=10)
+        body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
+        assert headers.recv(1000) == b""  # closed
+        answer = body.recv(1000).decode()
+        assert answer.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in answer
+    finally:
+        server.should_exit = True
+        thread.join()
+
+
 def test_abort_ends_every_request_with_an_error_event(tiny):
     engine, _, sock, _ = serve.build([*tiny, "--port", "0", "--batch-size", "2"])
     sock.close()
@@ -328,7 +462,7 @@ def test_abort_ends_every_request_with_an_error_event(tiny):
             ended.set()
 
     prompt = encode_prompt(engine.tokenizer, engine.gen.target.args, [{"role": "user", "content": QUESTIONS[0]}], True)
-    assert engine.submit(Job(prompt, 200, GREEDY, frozenset(), (), None, emit))
+    assert engine.submit(Job(prompt, 200, GREEDY, frozenset(), (), None, emit)) == "taken"
     assert ended.wait(60)
     engine.close()
     assert "error" in events[-1] and not any("finish_reason" in e for e in events)
@@ -357,9 +491,35 @@ def test_a_signal_drains_the_server_and_exits_cleanly(tiny, sig):
         proc.wait()
 
 
+def test_a_drain_ends_within_its_time_limit(tiny):
+    """A client sending its body slower than the drain's limit does not hold the server up past it."""
+    proc = subprocess.Popen([sys.executable, str(REPO / "serve.py"), *tiny, "--port", "0", "--batch-size", "1", "--read-timeout", "600",
+                             "--drain-timeout", "1"], cwd=REPO, stderr=subprocess.PIPE, text=True,
+                            env={"OMP_NUM_THREADS": "1", **__import__("os").environ})
+    try:
+        line = proc.stderr.readline()
+        assert line.startswith("serving "), line
+        slow = socket.create_connection(("127.0.0.1", int(line.rsplit(":", 1)[1])), timeout=60)
+        slow.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Length: 100\r\n\r\n{")
+        time.sleep(0.2)
+        proc.send_signal(signal.SIGTERM)
+        start = time.monotonic()
+        assert proc.wait(timeout=60) == 1 and time.monotonic() - start < 15
+        assert slow.recv(1000).startswith(b"HTTP/1.1 503")
+        log = proc.stderr.read()
+        assert "stopped: 0 requests aborted" in log and "Traceback" not in log and "ERROR" not in log
+    finally:
+        proc.kill()
+        proc.wait()
+
+
 def test_bad_flags_exit_2_with_one_line(tiny, capsys):
     assert serve.main([*tiny, "--batch-size", "0"]) == 2
     assert capsys.readouterr().err.strip() == "error: --batch-size must be >= 1, got 0"
+    assert serve.main([*tiny, "--batch-size", "10000000", "--port", "0"]) == 2  # caches past the memory: said before they are made
+    assert capsys.readouterr().err.strip().startswith("error: 20000000 rows of caches need ")
+    for flag, value in (("--max-queue", "-1"), ("--read-timeout", "0"), ("--drain-timeout", "nan"), ("--api-key", "")):
+        assert serve.main([*tiny, flag, value]) == 2 and capsys.readouterr().err.startswith(f"error: {flag} ")
 
 
 def test_the_default_model_answers_as_generate(single_thread):
