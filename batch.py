@@ -21,6 +21,7 @@ from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.fu
 
 import dtypes
 import ops
+import sampling
 from errors import UsageError
 from sampling import KINDS, Sampling
 from speculate import CHAINS
@@ -153,6 +154,8 @@ class Seq:
     n_pend: int = 0  # pairs the head has not read (speculate.SpecState.n_pend, mirrored)
     prefilled: int = 0  # prompt tokens the prefill ran over (the rest came from a cached prefix)
     tag: object = None  # the caller's own (engine.py: the request)
+    logprobs: Optional[int] = None  # the top alternatives wanted beside each token's log-probability (None: none)
+    scored: list = field(default_factory=list)  # with logprobs: sampling.logprobs of the tokens commit is given
 
 
 class Batch:
@@ -190,6 +193,7 @@ class Batch:
         self.touch(b)
         with self.rows.at(b):
             first, seconds = gen.begin(seq.prompt, seq.rule, seq.key, start)
+            self.score(seq, gen.state.out_path, [first])
         self.prefill_seconds += seconds
         seq.prefilled, seq.stream, seq.n_pend = len(seq.prompt) - start, seq.prompt + [first], 1
         self.live.append(seq)
@@ -197,6 +201,11 @@ class Batch:
             return True
         self.leave([b])
         return False
+
+    def score(self, seq: Seq, states, new: list):
+        """seq.scored for its new tokens, where it wants logprobs: the target's, from the states that drew them."""
+        if seq.logprobs is not None:
+            seq.scored = sampling.logprobs(self.gen.target.output, states.to(self.gen.target.tok_embeddings.weight.dtype), new, seq.logprobs)
 
     def best_prefix(self, prompt: list) -> tuple:
         """(prefill start, row) of the row holding the longest usable prefix of prompt (start 0: none)."""
@@ -271,6 +280,7 @@ class Batch:
             if spec is not None and spec.mode == "lookup":
                 chunk = chunk[:-1]  # whether the next cycle has a match: a batch's lookup rows always draft
             accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
+            self.score(seq, self.rows.rows[2]["out_path"][b], new)
             seq.stream += new
             seq.n_pend = accept_len + 1 if name == "cycle" else seq.n_pend + 1
             if not seq.commit(new, accept_len if name == "cycle" else None):

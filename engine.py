@@ -28,7 +28,8 @@ from tokenizer import StreamDecoder, encode_prompt
 @dataclass(eq=False)  # a Job is itself alone: hashed by identity
 class Job:
     """One request on its way through the rows. emit(event) hands an event to the request's HTTP handler (any thread):
-    {"token_ids", "text"} as tokens are committed, then {"finish_reason", "usage", "eaglet"}, or {"error"}."""
+    {"token_ids", "text"} as tokens are committed (and "logprobs" when wanted: one entry a token but stop tokens, in
+    the shape of OpenAI's chat logprobs), then {"finish_reason", "usage", "eaglet"}, or {"error"}."""
     prompt: list
     max_tokens: int
     sampling: Sampling
@@ -36,6 +37,7 @@ class Job:
     stops: tuple  # stop strings
     seed: Optional[int]
     emit: Callable
+    logprobs: Optional[int] = None  # wanted: each token's log-probability and this many top alternatives (None: none)
     ids: list = field(default_factory=list)  # the answer's tokens, the stop token included
     hist: list = field(default_factory=list)  # cycles that accepted 0, 1, ... draft tokens
     cancelled: bool = False  # the client went away
@@ -171,7 +173,8 @@ class Engine:
             if job.cancelled:
                 self.counts["cancelled"] += 1
                 continue
-            job.seq = batch.Seq(job.prompt, job.sampling, rule_key(job.seed), lambda new, accept_len, job=job: self.commit(job, new, accept_len), tag=job)
+            job.seq = batch.Seq(job.prompt, job.sampling, rule_key(job.seed), lambda new, accept_len, job=job: self.commit(job, new, accept_len),
+                                tag=job, logprobs=job.logprobs)
             try:
                 self.batch.add(job.seq)
             except Exception as e:  # this request fails alone (its prefill)
@@ -206,13 +209,23 @@ class Engine:
                 finish = "length"
             if finish and not cut:  # the answer's end: what was held back, whole
                 text, job.held = text + job.held + job.decoder.flush(), ""
-            job.emit({"token_ids": taken, "text": text})
+            event = {"token_ids": taken, "text": text}
+            if job.logprobs is not None:
+                event["logprobs"] = [self.logprob_entry(t, *job.seq.scored[i]) for i, t in enumerate(taken) if t not in job.stop_ids]
+            job.emit(event)
             if finish:
                 job.emit({"finish_reason": finish, "usage": self.usage(job), "eaglet": self.figures(job)})
             return finish is None
         except Exception as e:  # this request fails alone
             self.fail(job, e)
             return False
+
+    def logprob_entry(self, token: int, logprob: float, top: list) -> dict:
+        """A token's entry in OpenAI's chat logprobs: its text, log-probability, UTF-8 bytes and top alternatives."""
+        def one(t, lp):
+            text = self.tokenizer.decode([t])
+            return {"token": text, "logprob": lp, "bytes": list(text.encode("utf-8", "surrogatepass"))}
+        return one(token, logprob) | {"top_logprobs": [one(t, lp) for t, lp in top]}
 
     def fail(self, job: Job, e: Exception):
         print(f"a request failed: {type(e).__name__}: {e}", file=sys.stderr)

@@ -116,7 +116,7 @@ class Generator:
         specs = [s for s in (spec, *self.trees.values()) if s is not None]
         pending = max([s.depth + 1 for s in specs] + [PLAIN_ROOM if head is not None and None in self.trees.values() else 0])
         self.state = SpecState(spec, target.args.dim * (len(self.taps) or 1), self.device, pending,
-                               max((s.scratch for s in specs), default=0))
+                               max((s.scratch for s in specs), default=0), target.args.dim, max([s.depth + 1 for s in specs] + [1]))
         self.verify_rows = max((s.verify_len for s in specs if s.mode not in CHAINS), default=0)
         # The one place a backend enters (ops.py): it readies the weights (on a CPU, cpu/ packs them for its kernels).
         self.compile, self.frozen = compile, ops.prepare(compile, target, head, draft_model)
@@ -273,6 +273,7 @@ class Generator:
         at = torch.tensor(len(prompt), device=self.device)
         noise = sampling.noise(self.state, at, 1, self.target.args.vocab_size) if rule.kind != "greedy" else None
         first = sampling.lm_head_draw(self.target.output, h[-1:], rule.kind, self.state, noise)
+        self.state.out_path[:1].copy_(h[-1:])
         self.start(x, feats, first, start)
         first = int(first)
         sync()

@@ -139,6 +139,15 @@ def lm_head_draw(output, h: Tensor, kind: str, st=None, noise=None, rows=None) -
     return draw(output(h), kind, st, noise if noise is None or rows is None else noise[rows])
 
 
+def logprobs(output, states: Tensor, tokens: list, top: int) -> list:
+    """The target's log-probabilities of tokens (its own distribution, whatever the rule that drew them), token i from
+    the LM head over states[i], with the top alternatives of each -> [(logprob, [(token, logprob), ...]), ...]."""
+    logp = torch.log_softmax(output(states[: len(tokens)]).float(), dim=-1)
+    chosen = logp.gather(1, torch.tensor(tokens, device=logp.device)[:, None])[:, 0].tolist()
+    best = logp.topk(top, dim=-1) if top else None
+    return [(c, list(zip(best.indices[i].tolist(), best.values[i].tolist())) if top else []) for i, c in enumerate(chosen)]
+
+
 def draw(logits: Tensor, kind: str, st=None, noise=None) -> Tensor:
     """One token per row of logits: the argmax when greedy, else argmax(logits + noise) (noise: the rows' Gumbels times the
     temperature, sampling.noise), over truncate's kept tokens (st's top_k and top_p)."""

@@ -1,5 +1,6 @@
 """An OpenAI-compatible HTTP server: POST /v1/chat/completions and /v1/completions (streamed as server-sent events, one
-chunk per committed burst of tokens, or whole), GET /v1/models and GET /health, on FastAPI and uvicorn. The model,
+chunk per committed burst of tokens, or whole), GET /v1/models, GET /health and GET /metrics (Prometheus), on FastAPI
+and uvicorn. Every request field is honoured or refused (READ, INERT, OFF below). The model,
 head, mode and compile flags are generate.py's; docs/serving.md shows how to call it. The requests are answered by
 engine.py's loop: each a row of one batch, every live row one step at a time, a lone request at the command line's speed.
 
@@ -35,13 +36,12 @@ from tokenizer import check_text, encode_prompt
 # implemented, accepted only at a value that means "not used" (a client library's default), any other value a 400 naming
 # it. Any other field is a 400 too: nothing a client asks for is silently dropped.
 READ = {"messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "temperature", "top_k", "top_p", "seed",
-        "stream", "stream_options"}
+        "stream", "stream_options", "logprobs", "top_logprobs"}
 INERT = {"model": str, "user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
          "prompt_cache_key": str, "safety_identifier": str}
-OFF = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "logprobs": (False,), "top_logprobs": (0,),
-       "response_format": ({"type": "text"},), "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],),
-       "tool_choice": ("none", "auto"), "functions": ([],), "function_call": ("none", "auto"), "modalities": (["text"],),
-       "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
+OFF = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
+       "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+       "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
 
 
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched at every token: bounded, so one request cannot stall the others
@@ -88,9 +88,12 @@ def field_of(req: dict, name: str, kind, default=None):
     return value
 
 
+def number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
 def same(value, off) -> bool:
     """value is off: numbers by value (0.0 is 0), anything else of off's own type (false is not 0)."""
-    number = lambda v: isinstance(v, (int, float)) and not isinstance(v, bool)
     return value == off if number(value) and number(off) else type(value) is type(off) and value == off
 
 
@@ -176,8 +179,20 @@ def parse_request(req, chat: bool, engine) -> dict:
     if set(options) - {"include_usage"}:
         raise BadRequest(f"stream_options takes include_usage only, got {sorted(options)}", "stream_options")
     include_usage = field_of(options, "include_usage", bool, False)
+    if chat:  # chat: logprobs true, top_logprobs 0..20 beside; completions: logprobs 0..5, the alternatives wanted
+        top = field_of(req, "top_logprobs", int)
+        logprobs = (top or 0) if field_of(req, "logprobs", bool, False) else None
+        if top is not None and (not 0 <= top <= 20 or top and logprobs is None):
+            raise BadRequest(f"top_logprobs must be 0 to 20, and more than 0 only with logprobs true; got {top}", "top_logprobs")
+    else:
+        logprobs = field_of(req, "logprobs", int)
+        if logprobs is not None and not 0 <= logprobs <= 5:
+            raise BadRequest(f"logprobs must be 0 to 5, got {logprobs}", "logprobs")
+        if req.get("top_logprobs") is not None:
+            raise BadRequest("top_logprobs is a chat field: completions take logprobs (0 to 5)", "top_logprobs")
     return dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(args.stop_tokens) | frozenset(stop_ids),
-                stops=tuple(s for s in stop if isinstance(s, str)), seed=seed, stream=stream, include_usage=include_usage)
+                stops=tuple(s for s in stop if isinstance(s, str)), seed=seed, stream=stream, include_usage=include_usage,
+                logprobs=logprobs)
 
 
 # ---------------------------------------------------------------- HTTP
@@ -204,6 +219,17 @@ async def departure(request):
     """Returns once the client has gone (its body read already: uvicorn's next message is the disconnect)."""
     while (await request.receive())["type"] != "http.disconnect":
         pass
+
+
+def logprobs_field(items: list, chat: bool, offset: int = 0) -> dict:
+    """Engine's logprob entries in OpenAI's shape: chat's content list, or completions' parallel lists (offset: the
+    characters of the answer before these tokens)."""
+    if chat:
+        return {"content": items, "refusal": None}
+    tokens = [i["token"] for i in items]
+    return {"tokens": tokens, "token_logprobs": [i["logprob"] for i in items],
+            "top_logprobs": [{a["token"]: a["logprob"] for a in i["top_logprobs"]} for i in items],
+            "text_offset": [offset + sum(map(len, tokens[:k])) for k in range(len(tokens))]}
 
 
 def ended(event: dict) -> bool:
@@ -343,7 +369,7 @@ def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float
                 "created": int(time.time()), "model": model_name}
         if stream:
             return StreamingResponse(sse(job, events, base, chat, include_usage), media_type="text/event-stream")
-        parts, ids, event, first = [], [], {}, None
+        parts, ids, scored, event, first = [], [], [], {}, None
         gone = asyncio.ensure_future(departure(request))
         try:
             while not ended(event):
@@ -356,6 +382,7 @@ def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float
                 first = first or (time.perf_counter() if event.get("token_ids") else None)
                 parts.append(event.get("text", ""))
                 ids += event.get("token_ids", [])
+                scored += event.get("logprobs", [])
         finally:
             gone.cancel()
             job.cancelled = not ended(event)
@@ -363,13 +390,13 @@ def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float
         if "error" in event:
             return error_response(500, event["error"], kind="server_error")
         text = "".join(parts)
-        choice = {"index": 0, "finish_reason": event["finish_reason"], "logprobs": None}
+        choice = {"index": 0, "finish_reason": event["finish_reason"], "logprobs": None if job.logprobs is None else logprobs_field(scored, chat)}
         choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
         return base | {"choices": [choice], "usage": event["usage"], "eaglet": event["eaglet"] | {"token_ids": ids}}
 
     async def sse(job: Job, events: asyncio.Queue, base: dict, chat: bool, include_usage: bool):
         base = base | {"object": "chat.completion.chunk" if chat else "text_completion"}
-        event, first = {}, None
+        event, first, offset = {}, None, 0
         try:
             while True:
                 event = await events.get()
@@ -378,11 +405,13 @@ def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float
                     return
                 finish, opening = event.get("finish_reason"), first is None
                 first = first or time.perf_counter()
+                scored = None if finish or job.logprobs is None else logprobs_field(event["logprobs"], chat, offset)
+                offset += sum(len(i["token"]) for i in event.get("logprobs", []))
                 if chat:
                     delta = {} if finish else {"content": event["text"]} | ({"role": "assistant"} if opening else {})
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": None}
+                    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": scored}
                 else:
-                    choice = {"index": 0, "text": "" if finish else event["text"], "finish_reason": finish, "logprobs": None}
+                    choice = {"index": 0, "text": "" if finish else event["text"], "finish_reason": finish, "logprobs": scored}
                 extra = {"usage": event["usage"], "eaglet": event["eaglet"]} if finish else {"eaglet": {"token_ids": event["token_ids"]}}
                 yield f"data: {json.dumps(base | {'choices': [choice]} | extra)}\n\n"
                 if finish:

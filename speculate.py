@@ -87,15 +87,18 @@ class SpecState(nn.Module):
     pend_*: the (feature, next token) pairs the draft has not read yet; the first n_pend rows are real; a cycle
     leaves at most depth+1, plain steps add one each (room for `pending` rows in all); a feature is what target()
     returns beside the logits (dim wide, or taps * dim for a head with taps).
+    out_path: the post-norm target states that drew the last step's committed tokens, one a token (logprobs: the
+    LM head over them gives each token's distribution); rows for the longest path of the trees it takes turns with.
     prev: the token before root (sps: the draft model rereads it).
     history (lookup, lookup slots): every committed token at [0, L], root included; reserve() sizes it.
     pending and scratch: room for the largest of several trees a sequence may take turns with (batch.py)."""
 
-    def __init__(self, spec, dim: int, device, pending: int = 0, scratch: int = 0):
+    def __init__(self, spec, dim: int, device, pending: int = 0, scratch: int = 0, model_dim: int = 0, path: int = 0):
         super().__init__()
         # the rule's values one-element, not 0-d: Dynamo takes a 0-d float64 buffer for a Python float
         buffers = [("L", (), torch.long), ("root", (1,), torch.long), ("key", (1,), torch.long),
-                   ("temperature", (1,), torch.float32), ("top_k", (1,), torch.long), ("top_p", (1,), torch.float64)]
+                   ("temperature", (1,), torch.float32), ("top_k", (1,), torch.long), ("top_p", (1,), torch.float64),
+                   ("out_path", (max(path, spec.depth + 1 if spec is not None else 1), model_dim or dim), torch.float32)]
         if spec is not None:
             rows = max(pending, spec.depth + 1)
             buffers += [("prev", (1,), torch.long), ("n_pend", (), torch.long), ("pend_tok", (rows,), torch.long),
@@ -227,15 +230,17 @@ def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, dept
     return out[0], h[0]
 
 
-def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, h, chain: bool = False):
+def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, out, h, chain: bool = False):
     """Writes the root's and accepted nodes' KV rows to slots [L, L+depth] (always depth+1 rows, fixed shape; rows
-    past accept_len are garbage beyond the new length; a chain's rows are in place already) and queues their features."""
+    past accept_len are garbage beyond the new length; a chain's rows are in place already), queues their features and
+    keeps the states (out) that drew the committed tokens."""
     rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
     if not chain:
         target.keep_kv(path, st.L + rows)
     nxt = ops.cat([tokens[path[1:]], bonus.view(1)])
     nxt = torch.where(rows == accept_len, bonus, nxt)
     st.pend_feat[: rows.shape[0]].copy_(h[path])
+    st.out_path[: rows.shape[0]].copy_(out[path])
     st.pend_tok[: rows.shape[0]].copy_(nxt)
     st.n_pend.copy_(accept_len + 1)
     st.prev.copy_(tokens[path[-1:]])
@@ -273,7 +278,7 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     draws = sampling.lm_head_draw(target.output, out, kind, st, noise, depths)
     accept_tokens = tokens if live is None else torch.where(live, tokens, -1)  # a dead slot matches no draw
     accept_len, path, bonus = spectree.accept(accept_tokens, parents, depths, draws, spec.depth)
-    out = commit(target, st, spec, tokens, accept_len, path, bonus, h)
+    out = commit(target, st, spec, tokens, accept_len, path, bonus, out, h)
     lap and lap("accept", tokens=tokens, parents=parents, draws=draws, scores=scores)
     return out
 
@@ -292,7 +297,7 @@ def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Ten
     else:
         accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.rule_probs(target.output(out), st), qs)
         path = chain.clamp(max=accept_len)
-    return commit(target, st, spec, tokens, accept_len, path, bonus, h, chain=True)
+    return commit(target, st, spec, tokens, accept_len, path, bonus, out, h, chain=True)
 
 
 def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec: TreeSpec, kind: str, lap=None) -> Tensor:
@@ -342,6 +347,7 @@ def plain_step(target: Transformer, drafter, st: SpecState, spec, kind: str, lap
     h, feat = target.hidden(st.root.view(1, 1), pos, pos, causal_mask(pos, target.max_seq_length))
     noise = sampling.noise(st, st.L + 1, 1, target.args.vocab_size) if kind != "greedy" else None
     token = sampling.lm_head_draw(target.output, h[0], kind, st, noise)
+    st.out_path[:1].copy_(h[0])
     if spec is not None:
         at = st.n_pend.clamp(max=st.pend_tok.shape[0] - 1).view(1)  # in bounds for a row padding a batch (Batch.run)
         st.pend_feat.index_put_((at,), feat[0].float())

