@@ -20,6 +20,7 @@ from torch import Tensor
 from torch.nn.utils.stateless import _reparametrize_module  # what torch.func.functional_call swaps tensors with
 
 import dtypes
+import grammar
 import ops
 import sampling
 from errors import UsageError
@@ -156,6 +157,7 @@ class Seq:
     tag: object = None  # the caller's own (engine.py: the request)
     logprobs: Optional[int] = None  # the top alternatives wanted beside each token's log-probability (None: none)
     scored: list = field(default_factory=list)  # with logprobs: sampling.logprobs of the tokens commit is given
+    grammar: object = None  # what its tokens must follow (grammar.Grammar): its rows take plain steps, a mask each
 
 
 class Batch:
@@ -192,8 +194,11 @@ class Batch:
             self.rows.copy(src, b, start, state=False)
         self.touch(b)
         with self.rows.at(b):
-            first, seconds = gen.begin(seq.prompt, seq.rule, seq.key, start)
+            first, seconds = gen.begin(seq.prompt, seq.rule, seq.key, start, seq.grammar)
             self.score(seq, gen.state.out_path, [first])
+        if seq.grammar is not None:
+            seq.grammar.consume([first])
+            self.rows.rows[2]["allowed"][b].fill_(True)  # in_graph: set before each step; else each step's tokens followed
         self.prefill_seconds += seconds
         seq.prefilled, seq.stream, seq.n_pend = len(seq.prompt) - start, seq.prompt + [first], 1
         self.live.append(seq)
@@ -201,6 +206,27 @@ class Batch:
             return True
         self.leave([b])
         return False
+
+    def in_graph(self, seq: Seq) -> bool:
+        """Whether seq's grammar masks its draws inside the steps (plain ones, the next token's mask each) rather than
+        checking what a step drew (follow): where top-k or top-p truncate (a mask changes which tokens they keep) and
+        in the chain modes."""
+        rule, spec = seq.rule, self.gen.spec
+        return seq.grammar is not None and (rule.temperature > 0 and (rule.top_k > 0 or rule.top_p < 1) or spec is not None and spec.mode in CHAINS)
+
+    def follow(self, b: int, seq: Seq, new: list, accept_len: int) -> tuple:
+        """A step's tokens for row b as seq's grammar allows them: all, or those before the first it refuses, and then
+        the target's draw there restricted to the grammar (grammar.redraw). Exact: where the target's own draw is a
+        token the grammar allows, it is also the draw restricted to the grammar (an argmax over fewer tokens that hold
+        it). -> (tokens, drafts accepted)."""
+        j = seq.grammar.valid(new)
+        seq.grammar.consume(new[:j])
+        if j == len(new) or self.in_graph(seq):
+            return new, accept_len
+        with self.rows.at(b):
+            token = grammar.redraw(self.gen, new, j, seq.rule, seq.grammar)
+        seq.grammar.consume([token])
+        return new[:j] + [token], j
 
     def score(self, seq: Seq, states, new: list):
         """seq.scored for its new tokens, where it wants logprobs: the target's, from the states that drew them."""
@@ -251,6 +277,8 @@ class Batch:
         sps and lookup always run their chain."""
         gen, n = self.gen, len(self.live)
         kind = max((s.rule.kind for s in self.live), key=KINDS.index)
+        if any(map(self.in_graph, self.live)):  # one mask a row: the next token's
+            return "plain", gen.spec, "truncate"
         if n == 1 and kind == "greedy":
             return ("cycle" if gen.spec is not None else "plain"), gen.spec, kind
         if gen.spec is None:
@@ -272,6 +300,8 @@ class Batch:
                 self.run("catch_up", gen.spec, "any")
                 for s in self.live:
                     s.n_pend = 1
+        for b, seq in enumerate(self.live):
+            self.in_graph(seq) and seq.grammar.allowed(self.rows.rows[2]["allowed"][b])
         chunks = self.run(name, spec, kind)
         label = describe(spec) if name == "cycle" else "plain"
         self.counts[(label, n)] = self.counts.get((label, n), 0) + 1
@@ -280,6 +310,8 @@ class Batch:
             if spec is not None and spec.mode == "lookup":
                 chunk = chunk[:-1]  # whether the next cycle has a match: a batch's lookup rows always draft
             accept_len, new = chunk[0], chunk[1:chunk[0] + 2]
+            if seq.grammar is not None:
+                new, accept_len = self.follow(b, seq, new, accept_len)
             self.score(seq, self.rows.rows[2]["out_path"][b], new)
             seq.stream += new
             seq.n_pend = accept_len + 1 if name == "cycle" else seq.n_pend + 1

@@ -34,12 +34,33 @@ TYPE_NAMES = {int: "an integer", float: "a number", bool: "true or false", str: 
 POSITIVE = ("dim", "n_layer", "n_head", "n_local_heads", "head_dim", "intermediate_size", "vocab_size", "block_size", "norm_eps", "rope_base")
 
 
-def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0) -> Sampling:
+def check_sampling(temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, logit_bias=None, frequency_penalty: float = 0.0,
+                   presence_penalty: float = 0.0, vocab_size: typing.Optional[int] = None) -> Sampling:
+    """The rule of these values (OpenAI's ranges for the bias and penalties), or UsageError naming the first bad one.
+    logit_bias: {token id: bias}; vocab_size: the ids it may name (None: unchecked)."""
+    bias = dict(logit_bias or {})
     for bad, flag, want, value in ((not 0 <= temperature < float("inf"), "temperature", "finite and >= 0", temperature), (not 0 < top_p <= 1, "top-p", "in (0, 1]", top_p),
-                                   (top_k < 0, "top-k", ">= 0", top_k)):
+                                   (top_k < 0, "top-k", ">= 0", top_k),
+                                   (not -2 <= frequency_penalty <= 2, "frequency-penalty", "in [-2, 2]", frequency_penalty),
+                                   (not -2 <= presence_penalty <= 2, "presence-penalty", "in [-2, 2]", presence_penalty),
+                                   (not all(-100 <= b <= 100 for b in bias.values()), "logit-bias", "values in [-100, 100]", bias),
+                                   (not all(isinstance(t, int) and 0 <= t < (vocab_size or t + 1) for t in bias), "logit-bias",
+                                    f"keys token ids in [0, {vocab_size})", sorted(bias)[:8])):
         if bad:
             raise UsageError(f"--{flag} must be {want}, got {value}")
-    return Sampling(temperature, top_k, top_p)
+    return Sampling(temperature, top_k, top_p, tuple(sorted((t, float(b)) for t, b in bias.items())), float(frequency_penalty), float(presence_penalty))
+
+
+def parse_logit_bias(pairs: list) -> dict:
+    """--logit-bias ID:BIAS flags -> {token id: bias}."""
+    out = {}
+    for pair in pairs:
+        token, _, bias = pair.partition(":")
+        try:
+            out[int(token)] = float(bias)
+        except ValueError:
+            raise UsageError(f"--logit-bias takes ID:BIAS (a token id and a number), got {pair!r}") from None
+    return out
 
 
 def config_error(config: dict) -> typing.Optional[str]:

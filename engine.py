@@ -21,6 +21,7 @@ import torch
 import batch
 import ops
 from generator import RULES, acceptance_metrics, rule_key
+from grammar import Grammar
 from sampling import Sampling
 from tokenizer import StreamDecoder, encode_prompt
 
@@ -38,6 +39,7 @@ class Job:
     seed: Optional[int]
     emit: Callable
     logprobs: Optional[int] = None  # wanted: each token's log-probability and this many top alternatives (None: none)
+    grammar: Optional[str] = None  # what the answer must follow (grammar.py: an llguidance grammar)
     ids: list = field(default_factory=list)  # the answer's tokens, the stop token included
     hist: list = field(default_factory=list)  # cycles that accepted 0, 1, ... draft tokens
     cancelled: bool = False  # the client went away
@@ -59,6 +61,7 @@ class Engine:
         self.aborting, self.max_waiting = False, max_waiting
         self.counts, self.log, self.thread = collections.Counter(), log, None
         self.depth = gen.spec.depth + 1 if gen.spec else 1
+        self.stops = tuple(sorted(gen.target.args.stop_tokens))  # what ends an answer (a grammar's too)
         gen.reserve(context)  # every request's caches, allocated once: rows made now stay valid
         self.batch = batch.Batch(gen, rows, cached)
 
@@ -100,17 +103,19 @@ class Engine:
         self.batch.counts.clear()
         self.ready = True
 
-    def submit(self, job: Job) -> str:
-        """job into the queue -> "taken", or "closing" (no new request is taken), or "full" (max_waiting wait already)."""
+    def submit(self, jobs: list) -> str:
+        """jobs (a request's choices) into the queue, all or none -> "taken", or "closing" (no new request is taken), or
+        "full" (they would make more than max_waiting wait)."""
         with self.cond:
             if self.closing:
                 return "closing"
-            if self.max_waiting is not None and len(self.waiting) >= self.max_waiting:
+            if self.max_waiting is not None and len(self.waiting) + len(jobs) > self.max_waiting:
                 self.counts["refused"] += 1
                 return "full"
-            job.hist = [0] * self.depth
-            job.decoder = StreamDecoder(self.tokenizer)
-            self.waiting.append(job)
+            for job in jobs:
+                job.hist = [0] * self.depth
+                job.decoder = StreamDecoder(self.tokenizer)
+                self.waiting.append(job)
             self.counts["requests"] += 1
             self.cond.notify()
             return "taken"
@@ -173,9 +178,10 @@ class Engine:
             if job.cancelled:
                 self.counts["cancelled"] += 1
                 continue
-            job.seq = batch.Seq(job.prompt, job.sampling, rule_key(job.seed), lambda new, accept_len, job=job: self.commit(job, new, accept_len),
-                                tag=job, logprobs=job.logprobs)
             try:
+                constraint = job.grammar and Grammar(job.grammar, self.tokenizer, self.gen.target.args.vocab_size, self.stops)
+                job.seq = batch.Seq(job.prompt, job.sampling, rule_key(job.seed), lambda new, accept_len, job=job: self.commit(job, new, accept_len),
+                                    tag=job, logprobs=job.logprobs, grammar=constraint or None)
                 self.batch.add(job.seq)
             except Exception as e:  # this request fails alone (its prefill)
                 traceback.print_exc()

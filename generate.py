@@ -10,6 +10,7 @@ from pathlib import Path
 import torch
 
 import tp
+from checkpoint import parse_logit_bias
 from eaglet import add_model_flags, check_sampling, load_generator
 from errors import UsageError, UsageParser
 from prompts import load_conversations
@@ -29,6 +30,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (argmax)")
     p.add_argument("--top-k", type=int, default=0)
     p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--frequency-penalty", type=float, default=0.0, help="OpenAI's: each token's logit less this per occurrence in the answer (-2 to 2)")
+    p.add_argument("--presence-penalty", type=float, default=0.0, help="OpenAI's: each token's logit less this once it occurs in the answer (-2 to 2)")
+    p.add_argument("--logit-bias", action="append", default=[], metavar="ID:BIAS", help="add BIAS (-100 to 100) to token ID's logit; repeatable")
     p.add_argument("--seed", type=int, default=0)
     add_model_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -57,7 +61,7 @@ def main(argv=None) -> int:
     quiet = tp.rank() != 0  # every rank generates the same tokens; rank 0 alone prints them
     try:
         opts = build_parser().parse_args(argv)
-        sampling = check_sampling(opts.temperature, opts.top_k, opts.top_p)
+        sampling = check_sampling(opts.temperature, opts.top_k, opts.top_p, parse_logit_bias(opts.logit_bias), opts.frequency_penalty, opts.presence_penalty)
         questions = [check_text(q, "--prompt") for q in opts.prompt or []] + ([turns[0] for turns in load_conversations(opts.prompts)] if opts.prompts else [])
         if opts.batch_size < 0:
             raise UsageError(f"--batch-size must be >= 0, got {opts.batch_size}")

@@ -115,8 +115,8 @@ class Generator:
         self.trees = dict(trees or {1: spec})
         specs = [s for s in (spec, *self.trees.values()) if s is not None]
         pending = max([s.depth + 1 for s in specs] + [PLAIN_ROOM if head is not None and None in self.trees.values() else 0])
-        self.state = SpecState(spec, target.args.dim * (len(self.taps) or 1), self.device, pending,
-                               max((s.scratch for s in specs), default=0), target.args.dim, max([s.depth + 1 for s in specs] + [1]))
+        self.state = SpecState(spec, target.args.dim * (len(self.taps) or 1), self.device, pending, max((s.scratch for s in specs), default=0),
+                               target.args.dim, max([s.depth + 1 for s in specs] + [1]), target.args.vocab_size)
         self.verify_rows = max((s.verify_len for s in specs if s.mode not in CHAINS), default=0)
         # The one place a backend enters (ops.py): it readies the weights (on a CPU, cpu/ packs them for its kernels).
         self.compile, self.frozen = compile, ops.prepare(compile, target, head, draft_model)
@@ -262,18 +262,20 @@ class Generator:
         if self.draft_model is not None and T > 1:
             prefill(self.draft_model, prompt[:, :-1], torch.tensor(0, device=self.device))
 
-    def begin(self, prompt: list, rule: Sampling, key: int, start: int = 0) -> tuple:
+    def begin(self, prompt: list, rule: Sampling, key: int, start: int = 0, grammar=None) -> tuple:
         """A sequence into the models' own buffers: prefill prompt[start:] (the slots before hold it already), draw its
-        first token with rule and key, set the state (start). -> (first token, seconds)."""
+        first token with rule and key (and grammar's mask: grammar.py), set the state (start). -> (first token, seconds)."""
         sync = dtypes.synchronizer(self.device)
         t0 = time.perf_counter()
-        self.state.set_rule(rule, key)
+        self.state.set_rule(rule, key, grammar)
+        kind = rule.kind if grammar is None else "truncate"  # truncate's draws read the grammar's mask (sampling.shaped)
         x = torch.tensor([prompt], device=self.device)
         h, feats = self.step("prefill", rule.kind)(self.target, x[:, start:].contiguous(), torch.tensor(start, device=self.device))
         at = torch.tensor(len(prompt), device=self.device)
-        noise = sampling.noise(self.state, at, 1, self.target.args.vocab_size) if rule.kind != "greedy" else None
-        first = sampling.lm_head_draw(self.target.output, h[-1:], rule.kind, self.state, noise)
+        noise = sampling.noise(self.state, at, 1, self.target.args.vocab_size) if kind != "greedy" else None
+        first = sampling.lm_head_draw(self.target.output, h[-1:], kind, self.state, noise)
         self.state.out_path[:1].copy_(h[-1:])
+        sampling.count(self.state, first, torch.ones_like(first))
         self.start(x, feats, first, start)
         first = int(first)
         sync()
@@ -336,7 +338,7 @@ class Generator:
 
     def check(self, prompts: list, max_new_tokens: int, stop_ids=None, rule: Sampling = GREEDY):
         check_prompts(self.target.args, prompts, max_new_tokens, stop_ids)  # UsageError before torch sees them
-        check_sampling(rule.temperature, rule.top_k, rule.top_p)
+        check_sampling(**vars(rule) | {"logit_bias": dict(rule.logit_bias)}, vocab_size=self.target.args.vocab_size)
 
     def generate_batch(self, prompts: list, max_new_tokens: int = 200, sampling: Sampling = GREEDY, stop_ids=None, batch_size: int = 0,
                        seeds: Optional[list] = None) -> list:

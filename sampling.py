@@ -130,13 +130,13 @@ def sample(probs: Tensor) -> Tensor:
     return torch.searchsorted(cdf, u, right=True).squeeze(-1).clamp(max=probs.shape[-1] - 1)
 
 
-def lm_head_draw(output, h: Tensor, kind: str, st=None, noise=None, rows=None) -> Tensor:
+def lm_head_draw(output, h: Tensor, kind: str, st=None, noise=None, rows=None, seen=None) -> Tensor:
     """The target's draws from its LM head over h: draw's, from a backend's screen of the LM head where one serves
     (ops.lm_head_argmax: half its bytes) and no mask is needed. noise: a row for each of h's rows, or the rows of a
-    table that rows picks (a tree's nodes draw with their depth's)."""
+    table that rows picks (a tree's nodes draw with their depth's). seen: shaped's."""
     if kind != "truncate" and (drawn := ops.lm_head_argmax(output, h, noise, rows)) is not None:
         return drawn
-    return draw(output(h), kind, st, noise if noise is None or rows is None else noise[rows])
+    return draw(output(h), kind, st, noise if noise is None or rows is None else noise[rows], seen)
 
 
 def logprobs(output, states: Tensor, tokens: list, top: int) -> list:
@@ -148,15 +148,34 @@ def logprobs(output, states: Tensor, tokens: list, top: int) -> list:
     return [(c, list(zip(best.indices[i].tolist(), best.values[i].tolist())) if top else []) for i, c in enumerate(chosen)]
 
 
-def draw(logits: Tensor, kind: str, st=None, noise=None) -> Tensor:
+def draw(logits: Tensor, kind: str, st=None, noise=None, seen=None) -> Tensor:
     """One token per row of logits: the argmax when greedy, else argmax(logits + noise) (noise: the rows' Gumbels times the
-    temperature, sampling.noise), over truncate's kept tokens (st's top_k and top_p)."""
+    temperature, sampling.noise), over truncate's kept tokens (st's top_k and top_p), truncate's logits shaped first."""
     if kind == "greedy":
         return ops.argmax(logits)
+    if kind == "truncate":
+        logits = shaped(logits, st, seen)
     scores = logits.float() + noise
     if kind == "truncate":
         scores = scores.masked_fill(~kept(logits, st.temperature, st.top_k, st.top_p), float("-inf"))
     return ops.argmax_scores(scores)
+
+
+def shaped(logits: Tensor, st, seen=None) -> Tensor:
+    """logits as OpenAI's logit_bias and penalties shape them before a draw: + bias - frequency * c - presence * (c > 0),
+    c each token's count in the answer so far: st.counts (what was committed) plus seen (what a tree node's path adds);
+    then only st.allowed tokens left."""
+    c = st.counts if seen is None else st.counts + seen
+    return (logits.float() + st.bias - st.frequency * c - st.presence * (c > 0).float()).masked_fill(~st.allowed, float("-inf"))
+
+
+def path_counts(tokens: Tensor, anc: Tensor, width: int) -> Tensor:
+    """[n, width]: each token's count on each tree node's path below the root, the node included (anc: ancestor mask)."""
+    return torch.zeros(anc.shape[0], width, device=anc.device).scatter_add(1, tokens[1:].expand(anc.shape[0], -1), anc[:, 1:].float())
+
+
+def count(st, tokens: Tensor, weight: Tensor):  # st.counts += each token's weight (1 if committed)
+    st.counts.add_(torch.zeros_like(st.counts).scatter_add(0, tokens, weight.float()))
 
 
 @dataclass(frozen=True)
@@ -164,10 +183,16 @@ class Sampling:
     temperature: float = 0.0  # 0 = greedy (argmax)
     top_k: int = 0
     top_p: float = 1.0
+    # OpenAI's: added to a token's logit (token, bias), and subtracted per occurrence of it in the answer / once it occurs
+    logit_bias: tuple = ()
+    frequency_penalty: float = 0.0
+    presence_penalty: float = 0.0
 
     @property
     def kind(self) -> str:
-        """What a step runs for this rule (KINDS): a rule without top-k or top-p needs no mask."""
+        """What a step runs for this rule (KINDS): a rule without top-k, top-p, bias or penalties needs no mask."""
+        if self.logit_bias or self.frequency_penalty or self.presence_penalty:
+            return "truncate"  # shaped logits (at T = 0 too: the argmax of the shaped logits)
         return "greedy" if self.temperature == 0 else "truncate" if self.top_k or self.top_p < 1.0 else "sample"
 
     def probs(self, logits: Tensor) -> Tensor:

@@ -29,6 +29,7 @@ from checkpoint import DEFAULT_NAME, check_prompts
 from eaglet import add_model_flags, check_sampling, load_generator
 from engine import Engine, Job
 from errors import UsageError, UsageParser
+from grammar import json_grammar
 from tokenizer import check_text, encode_prompt
 
 # Every field of OpenAI's chat and completions requests is one of three kinds (docs/serving.md lists them):
@@ -36,14 +37,15 @@ from tokenizer import check_text, encode_prompt
 # implemented, accepted only at a value that means "not used" (a client library's default), any other value a 400 naming
 # it. Any other field is a 400 too: nothing a client asks for is silently dropped.
 READ = {"messages", "prompt", "max_tokens", "max_completion_tokens", "n", "stop", "temperature", "top_k", "top_p", "seed",
-        "stream", "stream_options", "logprobs", "top_logprobs"}
+        "stream", "stream_options", "logprobs", "top_logprobs", "logit_bias", "frequency_penalty", "presence_penalty",
+        "response_format"}
 INERT = {"model": str, "user": str, "metadata": dict, "store": bool, "service_tier": str, "parallel_tool_calls": bool,
          "prompt_cache_key": str, "safety_identifier": str}
-OFF = {"frequency_penalty": (0,), "presence_penalty": (0,), "logit_bias": ({},), "response_format": ({"type": "text"},),
-       "echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
+OFF = {"echo": (False,), "suffix": ("",), "best_of": (1,), "tools": ([],), "tool_choice": ("none", "auto"), "functions": ([],),
        "function_call": ("none", "auto"), "modalities": (["text"],), "audio": (), "prediction": (), "reasoning_effort": (), "verbosity": (), "web_search_options": ()}
 
 
+MAX_CHOICES = 16  # n: each choice a row of its own
 MAX_STOPS, MAX_STOP_CHARS = 16, 256  # stop strings are matched at every token: bounded, so one request cannot stall the others
 BODY_BYTES_PER_TOKEN = 64  # a request body past 64 bytes a token of the context (plus 64 KiB) cannot fit it: 413 unread
 
@@ -59,6 +61,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-queue", type=int, default=256, help="requests waiting for a row, at most: past it 429 with Retry-After")
     p.add_argument("--api-key", default=os.environ.get("EAGLET_API_KEY"), help="the key every endpoint but /health wants as 'Authorization: Bearer KEY' (default: $EAGLET_API_KEY, else none)")
     p.add_argument("--read-timeout", type=float, default=30.0, help="seconds a request's headers, and then its body, may take to arrive (then 408 or closed)")
+    p.add_argument("--request-timeout", type=float, default=600.0, help="seconds an answer may take from its request's arrival (then 504 or an error event, and its row is freed)")
     p.add_argument("--drain-timeout", type=float, default=25.0, help="seconds SIGINT or SIGTERM waits for the open requests before it aborts them (a second signal: at once)")
     p.add_argument("--model-name", default=None, help="the model's id in /v1/models and responses (default: the checkpoint directory's name)")
     add_model_flags(p)
@@ -119,6 +122,17 @@ def message_text(content, i: int) -> str:
     raise BadRequest(f"messages[{i}].content must be a string or a list of text parts", "messages")
 
 
+def logit_bias(bias: dict) -> dict:
+    """OpenAI's logit_bias, {"token id": bias} -> {token id: bias}; BadRequest for a key that is no token id or a value
+    that is no number in [-100, 100] (check_sampling checks the ids against the vocabulary)."""
+    out = {}
+    for key, value in bias.items():
+        if not (key.isascii() and key.isdigit() and len(key) < 12) or not (number(value) and -100 <= value <= 100):
+            raise BadRequest(f'logit_bias maps token ids to numbers in [-100, 100] ({{"50256": -100}}), got {json.dumps(key)[:30]}: {json.dumps(value)[:20]}', "logit_bias")
+        out[int(key)] = value
+    return out
+
+
 def parse_request(req, chat: bool, engine) -> dict:
     """The JSON body of a completion request -> Job's fields and stream; BadRequest (400) on bad input."""
     if not isinstance(req, dict):
@@ -154,8 +168,9 @@ def parse_request(req, chat: bool, engine) -> dict:
         max_tokens = min(engine.default_max_tokens, engine.context - len(prompt))
     if max_tokens <= 0 or len(prompt) + max_tokens > engine.context:
         raise BadRequest(f"max_tokens must be >= 1 and, with the prompt's {len(prompt)} tokens, at most the context of {engine.context}; got {max_tokens}", "max_tokens")
-    if field_of(req, "n", int, 1) != 1:
-        raise BadRequest("n must be 1 (one answer per request)", "n")
+    n = field_of(req, "n", int, 1)
+    if not 1 <= n <= MAX_CHOICES:
+        raise BadRequest(f"n must be 1 to {MAX_CHOICES}, got {n}", "n")
     stop = field_of(req, "stop", (str, list), [])
     stop = [stop] if isinstance(stop, str) else stop
     if not all(isinstance(s, (str, int)) and not isinstance(s, bool) for s in stop) or "" in stop:
@@ -166,10 +181,17 @@ def parse_request(req, chat: bool, engine) -> dict:
     try:
         check_prompts(args, [prompt], max_tokens, stop_ids)  # token ids within the vocabulary
         sampling = check_sampling(float(field_of(req, "temperature", (int, float), 0.0)),
-                                  field_of(req, "top_k", int, 0), float(field_of(req, "top_p", (int, float), 1.0)))
+                                  field_of(req, "top_k", int, 0), float(field_of(req, "top_p", (int, float), 1.0)),
+                                  logit_bias(field_of(req, "logit_bias", dict, {})),
+                                  float(field_of(req, "frequency_penalty", (int, float), 0.0)),
+                                  float(field_of(req, "presence_penalty", (int, float), 0.0)), args.vocab_size)
     except UsageError as e:
-        message = str(e).replace("--max-new-tokens", "max_tokens").replace("--top-", "top_").replace("--", "")
-        raise BadRequest(message) from None
+        message = str(e).replace("--max-new-tokens", "max_tokens").replace("--", "")
+        raise BadRequest(message.replace("top-", "top_").replace("-penalty", "_penalty").replace("logit-bias", "logit_bias")) from None
+    try:
+        grammar = json_grammar(field_of(req, "response_format", dict, {"type": "text"}), engine.tokenizer, args.vocab_size, engine.stops)
+    except UsageError as e:
+        raise BadRequest(str(e), "response_format") from None
     seed = field_of(req, "seed", int)
     if seed is not None and not 0 <= seed < 2 ** 63:
         raise BadRequest(f"seed must be in [0, 2^63), got {seed}", "seed")
@@ -192,7 +214,7 @@ def parse_request(req, chat: bool, engine) -> dict:
             raise BadRequest("top_logprobs is a chat field: completions take logprobs (0 to 5)", "top_logprobs")
     return dict(prompt=prompt, max_tokens=max_tokens, sampling=sampling, stop_ids=frozenset(args.stop_tokens) | frozenset(stop_ids),
                 stops=tuple(s for s in stop if isinstance(s, str)), seed=seed, stream=stream, include_usage=include_usage,
-                logprobs=logprobs)
+                logprobs=logprobs, n=n, grammar=grammar)
 
 
 # ---------------------------------------------------------------- HTTP
@@ -289,10 +311,46 @@ class Metrics:
             self.tau.observe(event["eaglet"]["tau"])
 
 
-def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float = 30.0):
+class Answer:
+    """One choice of a request as its events arrive: the text, token ids and logprob entries so far, the last event, when
+    its first tokens came."""
+
+    def __init__(self, job: Job):
+        self.job, self.parts, self.ids, self.scored, self.event, self.first, self.offset = job, [], [], [], {}, None, 0
+        self.closed = False
+
+    @property
+    def ended(self) -> bool:
+        return ended(self.event)
+
+    def take(self, event: dict):
+        self.event = event
+        self.first = self.first or (time.perf_counter() if event.get("token_ids") else None)
+        self.parts.append(event.get("text", ""))
+        self.ids += event.get("token_ids", [])
+        self.scored += event.get("logprobs", [])
+        self.offset += sum(len(i["token"]) for i in event.get("logprobs", []))
+
+    def figures(self) -> dict:
+        return self.event["eaglet"] | {"token_ids": self.ids}
+
+    def close(self, metrics):
+        """The answer is over for its client: a row still running it is freed at the next step; its figures counted."""
+        if not self.closed:
+            self.closed, self.job.cancelled = True, self.job.cancelled or not self.ended
+            metrics.answered(self.job, self.event, self.first)
+
+
+def usage_of(answers: list) -> dict:
+    """A request's usage: its prompt once, the tokens of every choice."""
+    prompt, completion = len(answers[0].job.prompt), sum(len(a.job.ids) for a in answers)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion}
+
+
+def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float = 30.0, request_timeout: float = 600.0):
     """The HTTP face of app.state.engine (None while the model loads: every endpoint answers 503 until it is ready).
     api_key: the key every endpoint but /health wants (Authorization: Bearer ...); read_timeout: seconds a request's
-    body may take to arrive."""
+    body may take to arrive; request_timeout: seconds its answer may take (then 504, or an error event, its rows freed)."""
     import hmac
 
     from fastapi import FastAPI, Request
@@ -354,10 +412,12 @@ def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float
             except RecursionError:
                 raise BadRequest("the request body is not valid JSON: nested too deep") from None
             fields = parse_request(req, chat, engine)
-            stream, include_usage = fields.pop("stream"), fields.pop("include_usage")
+            stream, include_usage, n, seed = (fields.pop(k) for k in ("stream", "include_usage", "n", "seed"))
             events, loop = asyncio.Queue(), asyncio.get_running_loop()
-            job = Job(**fields, emit=lambda event: loop.call_soon_threadsafe(events.put_nowait, event))
-            taken = engine.submit(job)
+            # choice i draws with seed + i: a seeded request's choices differ, and each is what that seed gives alone
+            jobs = [Job(**fields, seed=None if seed is None else seed + i,
+                        emit=lambda event, i=i: loop.call_soon_threadsafe(events.put_nowait, (i, event))) for i in range(n)]
+            taken = engine.submit(jobs)
             if taken == "closing":
                 return error_response(503, "the server is shutting down", kind="server_error")
             if taken == "full":
@@ -367,61 +427,67 @@ def make_app(model_name: str, api_key: Optional[str] = None, read_timeout: float
             return error_response(400, str(e), getattr(e, "param", None))
         base = {"id": f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex[:24]}", "object": "chat.completion" if chat else "text_completion",
                 "created": int(time.time()), "model": model_name}
+        answers = [Answer(job) for job in jobs]
         if stream:
-            return StreamingResponse(sse(job, events, base, chat, include_usage), media_type="text/event-stream")
-        parts, ids, scored, event, first = [], [], [], {}, None
-        gone = asyncio.ensure_future(departure(request))
+            return StreamingResponse(sse(answers, events, base, chat, include_usage), media_type="text/event-stream")
+        gone, got = asyncio.ensure_future(departure(request)), None
         try:
-            while not ended(event):
-                got = asyncio.ensure_future(events.get())
-                await asyncio.wait((got, gone), return_when=asyncio.FIRST_COMPLETED)
-                if not got.done():  # the client left: its row is freed at the next step
-                    got.cancel()
-                    return Response(status_code=499)
-                event = got.result()
-                first = first or (time.perf_counter() if event.get("token_ids") else None)
-                parts.append(event.get("text", ""))
-                ids += event.get("token_ids", [])
-                scored += event.get("logprobs", [])
+            async with asyncio.timeout(request_timeout):
+                while not all(a.ended for a in answers):
+                    got = asyncio.ensure_future(events.get())
+                    await asyncio.wait((got, gone), return_when=asyncio.FIRST_COMPLETED)
+                    if not got.done():  # the client left: its rows are freed at the next step
+                        return Response(status_code=499)
+                    i, event = got.result()
+                    answers[i].take(event)
+        except TimeoutError:
+            return error_response(504, f"the answer took longer than --request-timeout ({request_timeout:g} s)", kind="server_error", code="timeout")
         finally:
-            gone.cancel()
-            job.cancelled = not ended(event)
-            metrics.answered(job, event, first)
-        if "error" in event:
-            return error_response(500, event["error"], kind="server_error")
-        text = "".join(parts)
-        choice = {"index": 0, "finish_reason": event["finish_reason"], "logprobs": None if job.logprobs is None else logprobs_field(scored, chat)}
-        choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
-        return base | {"choices": [choice], "usage": event["usage"], "eaglet": event["eaglet"] | {"token_ids": ids}}
+            for task in (gone, got):
+                task and task.cancel()
+            for a in answers:
+                a.close(metrics)
+        if error := next((a.event["error"] for a in answers if "error" in a.event), None):
+            return error_response(500, error, kind="server_error")
+        choices = []
+        for i, a in enumerate(answers):
+            text = "".join(a.parts)
+            choice = {"index": i, "finish_reason": a.event["finish_reason"], "logprobs": None if a.job.logprobs is None else logprobs_field(a.scored, chat)}
+            choice |= {"message": {"role": "assistant", "content": text}} if chat else {"text": text}
+            choices.append(choice | ({"eaglet": a.figures()} if n > 1 else {}))
+        return base | {"choices": choices, "usage": usage_of(answers), "eaglet": answers[0].figures()}
 
-    async def sse(job: Job, events: asyncio.Queue, base: dict, chat: bool, include_usage: bool):
+    async def sse(answers: list, events: asyncio.Queue, base: dict, chat: bool, include_usage: bool):
         base = base | {"object": "chat.completion.chunk" if chat else "text_completion"}
-        event, first, offset = {}, None, 0
+        deadline = asyncio.get_running_loop().time() + request_timeout  # no asyncio.timeout across a generator's yields
         try:
-            while True:
-                event = await events.get()
+            while not all(a.ended for a in answers):
+                i, event = await asyncio.wait_for(events.get(), max(0.0, deadline - asyncio.get_running_loop().time()))
+                a = answers[i]
                 if "error" in event:
+                    a.take(event)
                     yield f"data: {json.dumps({'error': {'message': event['error'], 'type': 'server_error', 'param': None, 'code': None}})}\n\n"
                     return
-                finish, opening = event.get("finish_reason"), first is None
-                first = first or time.perf_counter()
-                scored = None if finish or job.logprobs is None else logprobs_field(event["logprobs"], chat, offset)
-                offset += sum(len(i["token"]) for i in event.get("logprobs", []))
+                finish, opening, offset = event.get("finish_reason"), not a.parts, a.offset
+                a.take(event)
+                scored = None if finish or a.job.logprobs is None else logprobs_field(event["logprobs"], chat, offset)
                 if chat:
                     delta = {} if finish else {"content": event["text"]} | ({"role": "assistant"} if opening else {})
-                    choice = {"index": 0, "delta": delta, "finish_reason": finish, "logprobs": scored}
+                    choice = {"index": i, "delta": delta, "finish_reason": finish, "logprobs": scored}
                 else:
-                    choice = {"index": 0, "text": "" if finish else event["text"], "finish_reason": finish, "logprobs": scored}
+                    choice = {"index": i, "text": "" if finish else event["text"], "finish_reason": finish, "logprobs": scored}
                 extra = {"usage": event["usage"], "eaglet": event["eaglet"]} if finish else {"eaglet": {"token_ids": event["token_ids"]}}
                 yield f"data: {json.dumps(base | {'choices': [choice]} | extra)}\n\n"
-                if finish:
-                    if include_usage:  # OpenAI's last chunk: no choices, the usage
-                        yield f"data: {json.dumps(base | {'choices': [], 'usage': event['usage']})}\n\n"
-                    yield "data: [DONE]\n\n"
-                    return
+        except TimeoutError:
+            message = f"the answer took longer than --request-timeout ({request_timeout:g} s)"
+            yield f"data: {json.dumps({'error': {'message': message, 'type': 'server_error', 'param': None, 'code': 'timeout'}})}\n\n"
+            return
         finally:
-            job.cancelled = not ended(event)  # the client left mid-answer: its row is freed at the next cycle
-            metrics.answered(job, event, first)
+            for a in answers:
+                a.close(metrics)  # a client that left mid-answer: its rows are freed at the next cycle
+        if include_usage:  # OpenAI's last chunk: no choices, the usage
+            yield f"data: {json.dumps(base | {'choices': [], 'usage': usage_of(answers)})}\n\n"
+        yield "data: [DONE]\n\n"
 
     @app.post("/v1/chat/completions")
     async def chat_completions(request: Request):
@@ -509,7 +575,7 @@ def parse(argv=None) -> tuple:
         raise UsageError("--context must be >= 2 and --max-tokens >= 1")
     if a.max_queue < 0:
         raise UsageError(f"--max-queue must be >= 0, got {a.max_queue}")
-    for flag in ("read_timeout", "drain_timeout"):
+    for flag in ("read_timeout", "drain_timeout", "request_timeout"):
         if not (getattr(a, flag) > 0 and math.isfinite(getattr(a, flag))):
             raise UsageError(f"--{flag.replace('_', '-')} must be a number of seconds > 0, got {getattr(a, flag)}")
     if a.api_key == "":
@@ -548,7 +614,7 @@ def build(argv=None) -> tuple:
     except BaseException:
         sock.close()
         raise
-    app = make_app(model_name(a), a.api_key, a.read_timeout)
+    app = make_app(model_name(a), a.api_key, a.read_timeout, a.request_timeout)
     app.state.engine = engine
     return engine, app, sock, banner
 
@@ -563,7 +629,7 @@ def main(argv=None) -> int:
     except UsageError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    app = make_app(model_name(a), a.api_key, a.read_timeout)
+    app = make_app(model_name(a), a.api_key, a.read_timeout, a.request_timeout)
     server = uvicorn_server(app)
 
     def http():

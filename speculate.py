@@ -82,7 +82,8 @@ class SpecState(nn.Module):
     """Everything a step carries to the next, as buffers updated in place (CUDA-graph friendly).
 
     L: committed tokens with target KV. root: the last committed token, in no cache yet.
-    key, temperature, top_k, top_p: the sampling rule, as data (sampling.py; set_rule).
+    key, temperature, top_k, top_p, bias, frequency, presence: the sampling rule, as data (sampling.py; set_rule).
+    counts: each token's occurrences in the answer (penalties); allowed: the tokens a grammar allows next (grammar.py).
     Speculative states (spec given) also hold:
     pend_*: the (feature, next token) pairs the draft has not read yet; the first n_pend rows are real; a cycle
     leaves at most depth+1, plain steps add one each (room for `pending` rows in all); a feature is what target()
@@ -93,11 +94,13 @@ class SpecState(nn.Module):
     history (lookup, lookup slots): every committed token at [0, L], root included; reserve() sizes it.
     pending and scratch: room for the largest of several trees a sequence may take turns with (batch.py)."""
 
-    def __init__(self, spec, dim: int, device, pending: int = 0, scratch: int = 0, model_dim: int = 0, path: int = 0):
+    def __init__(self, spec, dim: int, device, pending: int = 0, scratch: int = 0, model_dim: int = 0, path: int = 0, vocab: int = 1):
         super().__init__()
         # the rule's values one-element, not 0-d: Dynamo takes a 0-d float64 buffer for a Python float
         buffers = [("L", (), torch.long), ("root", (1,), torch.long), ("key", (1,), torch.long),
                    ("temperature", (1,), torch.float32), ("top_k", (1,), torch.long), ("top_p", (1,), torch.float64),
+                   ("bias", (vocab,), torch.float32), ("frequency", (1,), torch.float32), ("presence", (1,), torch.float32),
+                   ("counts", (vocab,), torch.float32), ("allowed", (vocab,), torch.bool),
                    ("out_path", (max(path, spec.depth + 1 if spec is not None else 1), model_dim or dim), torch.float32)]
         if spec is not None:
             rows = max(pending, spec.depth + 1)
@@ -117,10 +120,15 @@ class SpecState(nn.Module):
         if spec is not None and spec.mode == "eagle2":
             self.register_buffer("scratch_eye", torch.eye(max(scratch, spec.scratch), dtype=torch.bool, device=device))
 
-    def set_rule(self, rule: Sampling, key: int):
-        """The sampling rule the next steps draw with, and the key of the sequence's Gumbels (sampling.key_of)."""
-        for name, value in (("temperature", rule.temperature), ("top_k", rule.top_k), ("top_p", rule.top_p), ("key", key)):
+    def set_rule(self, rule: Sampling, key: int, grammar=None):
+        """The sampling rule the next steps draw with, the key of the sequence's Gumbels (sampling.key_of), no count, the
+        tokens grammar allows first (grammar.py; None: all)."""
+        for name, value in (("temperature", rule.temperature), ("top_k", rule.top_k), ("top_p", rule.top_p), ("key", key),
+                            ("frequency", rule.frequency_penalty), ("presence", rule.presence_penalty)):
             getattr(self, name).fill_(value)
+        self.bias.zero_(), self.counts.zero_(), self.allowed.fill_(True) if grammar is None else grammar.allowed(self.allowed)
+        for token, value in rule.logit_bias:
+            self.bias[token] = value
 
 
 def head_step(target: Transformer, head: DraftHead, tokens: Tensor, feats: Tensor, pos: Tensor, slots, mask: Tensor):
@@ -230,10 +238,10 @@ def verify(target: Transformer, st: SpecState, tokens: Tensor, anc: Tensor, dept
     return out[0], h[0]
 
 
-def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, out, h, chain: bool = False):
+def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonus, out, h, kind: str, chain: bool = False):
     """Writes the root's and accepted nodes' KV rows to slots [L, L+depth] (always depth+1 rows, fixed shape; rows
     past accept_len are garbage beyond the new length; a chain's rows are in place already), queues their features and
-    keeps the states (out) that drew the committed tokens."""
+    keeps the states (out) that drew the committed tokens; truncate's rules count them (penalties)."""
     rows = torch.arange(path.shape[0], device=tokens.device)  # depth+1, or 1 for a lookup step without drafts
     if not chain:
         target.keep_kv(path, st.L + rows)
@@ -243,6 +251,8 @@ def commit(target, st: SpecState, spec: TreeSpec, tokens, accept_len, path, bonu
     st.out_path[: rows.shape[0]].copy_(out[path])
     st.pend_tok[: rows.shape[0]].copy_(nxt)
     st.n_pend.copy_(accept_len + 1)
+    if kind == "truncate":
+        sampling.count(st, nxt, rows <= accept_len)
     st.prev.copy_(tokens[path[-1:]])
     if spec.history:
         st.history.index_put_((st.L + 1 + rows,), nxt)  # rows past accept_len lie past the new root: overwritten later
@@ -275,10 +285,11 @@ def tree_cycle(target: Transformer, head: DraftHead, st: SpecState, spec: TreeSp
     lap and lap("tree")
     out, h = verify(target, st, tokens, anc, depths)
     lap and lap("verify")
-    draws = sampling.lm_head_draw(target.output, out, kind, st, noise, depths)
+    seen = sampling.path_counts(tokens, anc, target.args.vocab_size) if kind == "truncate" else None
+    draws = sampling.lm_head_draw(target.output, out, kind, st, noise, depths, seen)
     accept_tokens = tokens if live is None else torch.where(live, tokens, -1)  # a dead slot matches no draw
     accept_len, path, bonus = spectree.accept(accept_tokens, parents, depths, draws, spec.depth)
-    out = commit(target, st, spec, tokens, accept_len, path, bonus, out, h)
+    out = commit(target, st, spec, tokens, accept_len, path, bonus, out, h, kind)
     lap and lap("accept", tokens=tokens, parents=parents, draws=draws, scores=scores)
     return out
 
@@ -290,14 +301,16 @@ def verify_chain(target: Transformer, st: SpecState, spec: TreeSpec, tokens: Ten
     k = tokens.shape[0] - 1
     chain = torch.arange(k + 1, device=tokens.device)
     parents = (chain - 1).clamp(min=0)
-    out, h = verify(target, st, tokens, chain[None, :] <= chain[:, None], chain, chain=True)
+    out, h = verify(target, st, tokens, anc := chain[None, :] <= chain[:, None], chain, chain=True)
+    seen = sampling.path_counts(tokens, anc, target.args.vocab_size) if kind == "truncate" else None
     if qs is None:
         noise = sampling.noise(st, st.L + 1, k + 1, target.args.vocab_size) if kind != "greedy" else None
-        accept_len, path, bonus = spectree.accept(tokens, parents, chain, sampling.lm_head_draw(target.output, out, kind, st, noise), k)
+        accept_len, path, bonus = spectree.accept(tokens, parents, chain, sampling.lm_head_draw(target.output, out, kind, st, noise, seen=seen), k)
     else:
-        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.rule_probs(target.output(out), st), qs)
+        logits = target.output(out) if seen is None else sampling.shaped(target.output(out), st, seen)
+        accept_len, bonus = spectree.accept_chain(tokens[1:], sampling.rule_probs(logits, st), qs)
         path = chain.clamp(max=accept_len)
-    return commit(target, st, spec, tokens, accept_len, path, bonus, out, h, chain=True)
+    return commit(target, st, spec, tokens, accept_len, path, bonus, out, h, kind, chain=True)
 
 
 def sps_cycle(target: Transformer, draft_model: Transformer, st: SpecState, spec: TreeSpec, kind: str, lap=None) -> Tensor:
@@ -348,6 +361,8 @@ def plain_step(target: Transformer, drafter, st: SpecState, spec, kind: str, lap
     noise = sampling.noise(st, st.L + 1, 1, target.args.vocab_size) if kind != "greedy" else None
     token = sampling.lm_head_draw(target.output, h[0], kind, st, noise)
     st.out_path[:1].copy_(h[0])
+    if kind == "truncate":
+        sampling.count(st, token, torch.ones_like(token))
     if spec is not None:
         at = st.n_pend.clamp(max=st.pend_tok.shape[0] - 1).view(1)  # in bounds for a row padding a batch (Batch.run)
         st.pend_feat.index_put_((at,), feat[0].float())

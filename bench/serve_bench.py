@@ -36,22 +36,29 @@ def build_parser():
     p.add_argument("--conversation", type=int, default=0, metavar="TURNS",
                    help="also one client's conversation of TURNS turns (the MT-bench questions), each request sending the whole history: "
                         "time to first token per turn")
+    p.add_argument("--json-answers", action="store_true", help="every answer a JSON object {\"answer\": text} (response_format json_schema), "
+                                                                "each question asking for one")
     p.add_argument("--out", type=Path, default=None, help="append the figures to this JSON file (a list)")
     return p
 
 
-def questions(n: int) -> list:
+ANSWER_SCHEMA = {"type": "json_schema", "json_schema": {"name": "answer", "schema": {
+    "type": "object", "properties": {"answer": {"type": "string"}}, "required": ["answer"], "additionalProperties": False}}}
+
+
+def questions(n: int, json_answers: bool = False) -> list:
     rows = [json.loads(line) for line in MT_BENCH.read_text(encoding="utf-8").splitlines() if line.strip()]
-    return [rows[i % len(rows)]["turns"][0] for i in range(n)]
+    ask = ' Reply with a JSON object {"answer": "..."}.' if json_answers else ""
+    return [rows[i % len(rows)]["turns"][0] + ask for i in range(n)]
 
 
-def one_request(client, model: str, question, max_tokens: int) -> dict:
+def one_request(client, model: str, question, max_tokens: int, response_format=None) -> dict:
     """One streamed chat completion of question (or a list of messages) -> its start, first-token and end times, the
     tokens it got and its text."""
     t0, first, tokens, text = time.perf_counter(), None, 0, []
     messages = [{"role": "user", "content": question}] if isinstance(question, str) else question
-    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens,
-                                            temperature=0, stream=True, stream_options={"include_usage": True})
+    stream = client.chat.completions.create(model=model, messages=messages, max_tokens=max_tokens, temperature=0, stream=True,
+                                            stream_options={"include_usage": True}, **({"response_format": response_format} if response_format else {}))
     usage = None
     for chunk in stream:
         if chunk.usage is not None:
@@ -80,7 +87,7 @@ def percentile(values: list, q: float) -> float:
     return values[min(len(values) - 1, max(0, round(q * (len(values) - 1))))]
 
 
-def run_level(client, model: str, prompts: list, concurrency: int, max_tokens: int) -> dict:
+def run_level(client, model: str, prompts: list, concurrency: int, max_tokens: int, response_format=None) -> dict:
     """prompts answered by `concurrency` clients at once, each taking the next prompt when its answer is done."""
     results, lock, todo = [], threading.Lock(), list(prompts)
 
@@ -90,7 +97,7 @@ def run_level(client, model: str, prompts: list, concurrency: int, max_tokens: i
                 if not todo:
                     return
                 q = todo.pop(0)
-            r = one_request(client, model, q, max_tokens)
+            r = one_request(client, model, q, max_tokens, response_format)
             with lock:
                 results.append(r)
 
@@ -144,7 +151,8 @@ def main(argv=None) -> int:
         one_request(client, a.model, "Hello!", 8)  # a first answer outside the figures
         rows = []
         for c in a.concurrency:
-            row = {"server": label, "max_tokens": a.max_tokens} | run_level(client, a.model, questions(a.requests), c, a.max_tokens)
+            row = {"server": label, "max_tokens": a.max_tokens, "json_answers": a.json_answers} | run_level(
+                client, a.model, questions(a.requests, a.json_answers), c, a.max_tokens, ANSWER_SCHEMA if a.json_answers else None)
             print(json.dumps(row), flush=True)
             rows.append(row)
         if a.conversation:

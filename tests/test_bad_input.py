@@ -391,7 +391,7 @@ def test_a_top_p_below_float32s_range_keeps_the_most_likely_token(dirs, gen, cap
     for top_p in (1e-300, 1e-6):
         rule = Sampling(temperature=1.0, top_p=top_p)
         assert torch.equal(rule.probs(logits), torch.nn.functional.one_hot(logits.argmax(-1), 320).float())
-        st = SpecState(None, 8, "cpu")  # a step reads the rule from its state's buffers
+        st = SpecState(None, 8, "cpu", vocab=320)  # a step reads the rule from its state's buffers
         st.set_rule(rule, sampling.key_of(0))
         for noise in (torch.zeros(6, 320, dtype=torch.float64), sampling.noise(st, torch.tensor(0), 6, 320)):
             assert torch.equal(sampling.draw(logits, rule.kind, st, noise), logits.argmax(-1))

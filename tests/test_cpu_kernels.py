@@ -634,7 +634,8 @@ def test_draws_read_the_screen_and_decode_as_the_logits_do(monkeypatch):
     monkeypatch.undo()
     monkeypatch.setattr(kernels, "lm_head_argmax", lambda *a: calls.append(a) or screened(*a))
     assert len(calls) == 26
-    rule = SimpleNamespace(temperature=torch.tensor([0.8]), top_k=torch.tensor([0]), top_p=torch.tensor([0.9]))  # a state's
+    rule = SimpleNamespace(temperature=torch.tensor([0.8]), top_k=torch.tensor([0]), top_p=torch.tensor([0.9]), bias=torch.zeros(512),
+                           frequency=torch.zeros(1), presence=torch.zeros(1), counts=torch.zeros(512), allowed=torch.ones(512, dtype=torch.bool))  # a state's
     sampling.lm_head_draw(target.output, h, "truncate", rule, noise)  # top-p needs every logit
     assert len(calls) == 26
     monkeypatch.setattr(linears, "screens", lambda output: False)

@@ -202,7 +202,7 @@ def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chai
     prompt = prompt_of(spec)
     length = len(prompt) + (cycles + 1) * (spec.depth + 1) + 2
     target, head = MarkovTarget(logp, length), MarkovHead(logq, draft_vocab, length)
-    st = SpecState(spec, V, "cpu")
+    st = SpecState(spec, V, "cpu", vocab=V)
     if spec.history:
         st.register_buffer("history", torch.zeros(length, dtype=torch.long))
         st.history[: len(prompt) + 1] = torch.tensor(prompt + [ROOT])
@@ -243,7 +243,7 @@ def run_cycles(spec: TreeSpec, samp: Sampling, n: int, pairs: bool = False, chai
 def plain_tokens(samp: Sampling, keys: torch.Tensor, L: int) -> torch.Tensor:
     """The 4 tokens vanilla decoding (speculate.plain_step, batch.batched over a row a key) draws from ROOT at position
     L for each of keys, [n, 4]."""
-    st = SpecState(None, V, "cpu")
+    st = SpecState(None, V, "cpu", vocab=V)
     st.set_rule(samp, 0)
     st.L.fill_(L)
     st.root.fill_(ROOT)
@@ -370,8 +370,8 @@ def rows_copying_row_1(noise):
 def parents_row(draw):
     """Broken: a depth-d node's draw reads noise row d - 1, its parent's (the root's, row 0, at depth 1), so a token
     drawn below an accepted draft shares the Gumbels of the token before it."""
-    def drawn(output, h, kind, st=None, noise=None, rows=None):
-        return draw(output, h, kind, st, noise, None if rows is None else (rows - 1).clamp(min=0))
+    def drawn(output, h, kind, st=None, noise=None, rows=None, seen=None):
+        return draw(output, h, kind, st, noise, None if rows is None else (rows - 1).clamp(min=0), seen)
     return drawn
 
 

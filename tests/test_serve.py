@@ -17,10 +17,12 @@ import pytest
 import torch
 from safetensors.torch import save_file
 
+import batch
 import serve
 from engine import Job
 from weights import save_head
 from eaglet import GREEDY, load_generator
+from sampling import Sampling
 from hf_fixtures import EOS_ID, write_tokenizer
 from tokenizer import encode_prompt
 
@@ -226,7 +228,8 @@ BAD = {
     "max_tokens 0": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 0}',
     "max_tokens -3": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": -3}',
     "max_tokens past the context": b'{"messages": [{"role": "user", "content": "hi"}], "max_tokens": 256}',
-    "n 2": b'{"messages": [{"role": "user", "content": "hi"}], "n": 2}',
+    "n 0": b'{"messages": [{"role": "user", "content": "hi"}], "n": 0}',
+    "n 17": b'{"messages": [{"role": "user", "content": "hi"}], "n": 17}',
     "top_p 0": b'{"messages": [{"role": "user", "content": "hi"}], "top_p": 0}',
     "a stop id outside the vocabulary": b'{"messages": [{"role": "user", "content": "hi"}], "stop": [99999]}',
     "a lone surrogate": b'{"messages": [{"role": "user", "content": "hi \\ud800"}]}',
@@ -237,6 +240,14 @@ BAD = {
     "a stop string too long": json.dumps({"messages": [{"role": "user", "content": "hi"}], "stop": ["x" * 257]}).encode(),
     "top_logprobs without logprobs": b'{"messages": [{"role": "user", "content": "hi"}], "top_logprobs": 2}',
     "top_logprobs 21": b'{"messages": [{"role": "user", "content": "hi"}], "logprobs": true, "top_logprobs": 21}',
+    "a logit_bias key that is no token id": b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"Paris": -100}}',
+    "a logit_bias id outside the vocabulary": b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"320": -100}}',
+    "a logit_bias past 100": b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": 101}}',
+    "a logit_bias of NaN": b'{"messages": [{"role": "user", "content": "hi"}], "logit_bias": {"5": NaN}}',
+    "a frequency_penalty past 2": b'{"messages": [{"role": "user", "content": "hi"}], "frequency_penalty": 2.5}',
+    "a presence_penalty of NaN": b'{"messages": [{"role": "user", "content": "hi"}], "presence_penalty": NaN}',
+    "a response_format of no known type": b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "yaml"}}',
+    "a json_schema that is no schema": b'{"messages": [{"role": "user", "content": "hi"}], "response_format": {"type": "json_schema", "json_schema": {"name": "x", "schema": {"type": "bogus"}}}}',
 }
 
 
@@ -256,7 +267,7 @@ def test_a_body_too_large_a_wrong_path_or_method_get_openais_error_object(server
 
 
 # a value of each field serve.py does not implement that would change the answer: a 400 naming the field
-NOT_HONOURED = {"frequency_penalty": 0.5, "presence_penalty": -1, "logit_bias": {"5": -100}, "response_format": {"type": "json_object"}, "echo": True, "suffix": "end", "best_of": 3,
+NOT_HONOURED = {"echo": True, "suffix": "end", "best_of": 3,
                 "tools": [{"type": "function", "function": {"name": "f"}}], "tool_choice": "required", "functions": [{"name": "f"}],
                 "function_call": {"name": "f"}, "modalities": ["text", "audio"], "audio": {"voice": "x"},
                 "prediction": {"type": "content", "content": "x"}, "reasoning_effort": "high", "verbosity": "low",
@@ -278,6 +289,123 @@ def test_fields_at_their_off_values_and_inert_fields_change_nothing(servers, ref
     text = servers["none"].client.completions.create(model="m", prompt="hi", max_tokens=3,
                                                       extra_body={"echo": False, "suffix": "", "best_of": 1, "logprobs": None})
     assert text.choices[0].finish_reason in ("stop", "length")
+
+
+@pytest.mark.parametrize("stream", [False, True])
+def test_n_choices_are_each_the_answer_of_its_own_seed(servers, refs, tiny, stream):
+    # choice i of a request with seed s is what seed s + i gives alone (sampling.py: draws keyed by the seed), in rows
+    # of their own sharing the steps; at T = 0 every choice is the greedy answer
+    prompt, ref = refs[QUESTIONS[2]]
+    gen, _ = load_generator(Path(tiny[1]), None, "none", dtype="float32")
+    want = [gen.generate(prompt, NEW, Sampling(1.0), refs.stops, seed=7 + i).token_ids for i in range(3)]
+    assert len({tuple(w) for w in want}) == 3
+    messages = [{"role": "user", "content": QUESTIONS[2]}]
+    for n, extra, answers in ((3, {"temperature": 1.0, "seed": 7}, want), (2, {}, [ref, ref])):
+        kw = dict(model="m", messages=messages, max_tokens=NEW, n=n, **extra)
+        if stream:
+            ids, texts, usage = [[] for _ in range(n)], [""] * n, None
+            for c in servers["eagle2"].client.chat.completions.create(stream=True, stream_options={"include_usage": True}, **kw):
+                usage = c.usage or usage
+                for choice in c.choices:
+                    texts[choice.index] += choice.delta.content or ""
+                    ids[choice.index] += [] if choice.finish_reason else c.model_extra["eaglet"]["token_ids"]
+        else:
+            r = servers["eagle2"].client.chat.completions.create(**kw)
+            ids, texts, usage = [c.model_extra["eaglet"]["token_ids"] for c in r.choices], [c.message.content for c in r.choices], r.usage
+            assert [c.index for c in r.choices] == list(range(n)) and r.model_extra["eaglet"]["token_ids"] == answers[0]
+        assert ids == answers
+        assert texts == [refs.tokenizer.decode([t for t in a if t not in refs.stops]) for a in answers]
+        assert (usage.prompt_tokens, usage.completion_tokens) == (len(prompt), sum(map(len, answers)))
+
+
+def test_an_answer_past_the_request_timeout_ends_and_frees_its_row(tiny, refs):
+    # 200 tokens take a tiny model's eager steps far longer than a millisecond: a 504, or a stream's error event
+    server = Running([*tiny, *MODES["none"], "--request-timeout", "0.001"])
+    try:
+        messages = [{"role": "user", "content": QUESTIONS[0]}]
+        with pytest.raises(openai.InternalServerError) as e:
+            server.client.chat.completions.create(model="m", messages=messages, max_tokens=200)
+        assert e.value.status_code == 504 and "request-timeout" in e.value.message
+        with pytest.raises(openai.APIError, match="request-timeout"):
+            list(server.client.chat.completions.create(model="m", messages=messages, max_tokens=200, stream=True))
+        deadline = time.monotonic() + 60
+        while (server.health()["cancelled"] < 2 or server.health()["busy"]) and time.monotonic() < deadline:
+            time.sleep(0.01)
+        assert server.health()["cancelled"] == 2 and server.health()["busy"] == 0
+    finally:
+        server.stop()
+
+
+SCHEMA = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 8}, "size": {"type": "integer", "minimum": 0, "maximum": 99},
+                                         "ok": {"type": "boolean"}, "color": {"enum": ["red", "green", "blue"]}},
+          "required": ["name", "size", "ok", "color"], "additionalProperties": False}
+JSON_SCHEMA = {"type": "json_schema", "json_schema": {"name": "thing", "schema": SCHEMA, "strict": True}}
+
+
+def grammar_reference(gen, tokenizer, prompt: list, n: int, schema: dict) -> list:
+    """Greedy decoding restricted to the schema written out plainly: a whole forward a token, llguidance's mask applied
+    to the logits by hand."""
+    import llguidance
+    import numpy as np
+    from generator import prefill
+
+    gen.reserve(len(prompt) + n)
+    args = gen.target.args
+    ll = llguidance.LLTokenizer(tokenizer.tok.to_str(), n_vocab=args.vocab_size, eos_token=sorted(args.stop_tokens))
+    matcher = llguidance.LLMatcher(ll, llguidance.LLMatcher.grammar_from_json_schema(schema, defaults={"whitespace_flexible": False}))
+    out = []
+    while len(out) < n and (not out or out[-1] not in args.stop_tokens):
+        with torch.inference_mode():
+            h, _ = prefill(gen.target, torch.tensor([prompt + out]), torch.tensor(0))
+            logits = gen.target.output(h[-1]).float()
+        bits = np.unpackbits(np.frombuffer(matcher.compute_bitmask(), dtype=np.uint8), bitorder="little")[: args.vocab_size]
+        out.append(int(logits.masked_fill(~torch.from_numpy(bits.astype(bool)), float("-inf")).argmax()))
+        matcher.consume_token(out[-1])
+    return out
+
+
+def test_a_json_schema_answer_is_the_targets_greedy_json_in_every_mode_and_sampled_ones_validate(servers, refs, tiny):
+    import jsonschema
+    prompt, _ = refs[QUESTIONS[3]]
+    want = grammar_reference(load_generator(Path(tiny[1]), None, "none", dtype="float32")[0], refs.tokenizer, prompt, 100, SCHEMA)
+    assert want[-1] in refs.stops
+    jsonschema.validate(json.loads(refs.tokenizer.decode(want[:-1])), SCHEMA)
+    for mode in MODES:
+        for stream in (False, True):
+            text, ids, finish, _, _ = chat(servers[mode].client, QUESTIONS[3], stream, max_tokens=100, response_format=JSON_SCHEMA)
+            assert ids == want and finish == "stop" and json.loads(text) == json.loads(refs.tokenizer.decode(want[:-1]))
+    answers = []
+    for seed in range(0, 50, 10):  # 50 sampled answers, 10 choices a request
+        r = servers["eagle2"].client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=100,
+                                                             n=10, temperature=1.0, seed=seed, response_format=JSON_SCHEMA)
+        answers += [json.loads(c.message.content) for c in r.choices]
+    for answer in answers:
+        jsonschema.validate(answer, SCHEMA)
+    assert len({json.dumps(a) for a in answers}) > 25  # sampled, not one answer
+    # the grammar following what a step drew (tree cycles, plain steps) draws as the mask inside the plain steps does
+    # (top_k 320: every token kept, the distribution unchanged): one seed, the same tokens
+    sampled = {}
+    for label, server, extra in (("eagle2", "eagle2", {}), ("none", "none", {}), ("inside", "eagle2", {"top_k": 320})):
+        r = servers[server].client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=100,
+                                                           n=3, temperature=1.0, seed=5, response_format=JSON_SCHEMA, extra_body=extra)
+        sampled[label] = [c.model_extra["eaglet"]["token_ids"] for c in r.choices]
+    assert sampled["eagle2"] == sampled["none"] == sampled["inside"]
+    r = servers["none"].client.chat.completions.create(model="m", messages=[{"role": "user", "content": QUESTIONS[1]}], max_tokens=60,
+                                                       response_format={"type": "json_object"})
+    assert isinstance(json.loads(r.choices[0].message.content), dict)
+
+
+@pytest.mark.parametrize("mode", MODES)
+def test_logit_bias_and_penalties_answer_as_generate_with_them(servers, refs, tiny, mode):
+    prompt, ref = refs[QUESTIONS[2]]
+    bias = {ref[0]: -100.0, ref[3]: 4.0}
+    rule = Sampling(logit_bias=tuple(sorted(bias.items())), frequency_penalty=1.2, presence_penalty=0.4)
+    gen, _ = load_generator(Path(tiny[1]), None, "none", dtype="float32")
+    want = gen.generate(prompt, NEW, rule, refs.stops).token_ids
+    assert want != ref and ref[0] not in want
+    fields = {"logit_bias": {str(t): b for t, b in bias.items()}, "frequency_penalty": 1.2, "presence_penalty": 0.4}
+    for stream in (False, True):
+        assert chat(servers[mode].client, QUESTIONS[2], stream, extra_body=fields)[1] == want
 
 
 @pytest.fixture(scope="module")
@@ -386,6 +514,58 @@ def test_a_client_that_leaves_before_a_whole_answer_frees_its_row(servers, refs)
         time.sleep(0.05)
     assert h["cycles"] - before["cycles"] < 199  # the row was freed before its answer's 200 tokens
     assert chat(server.client, QUESTIONS[0])[1] == refs[QUESTIONS[0]][1]
+
+
+def rss_bytes() -> int:
+    import gc
+    gc.collect()
+    return int(Path("/proc/self/statm").read_text().split()[1]) * __import__("os").sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="reads the resident set from /proc")
+def test_200_requests_with_random_cancellations_leave_memory_and_rows_as_they_were(tiny, refs):
+    import random
+    server = Running([*tiny, *MODES["eagle2"], "--batch-size", "4"])
+    rng = random.Random(0)
+    plans = [(rng.choice(["whole", "stream", "leave mid-stream", "leave before the answer"]), rng.randint(4, 40), rng.choice([0.0, 1.0]))
+             for _ in range(200)]
+
+    def one(plan):
+        how, max_tokens, temperature = plan
+        conn = http.client.HTTPConnection("127.0.0.1", server.port, timeout=120)
+        body = {"messages": [{"role": "user", "content": QUESTIONS[max_tokens % len(QUESTIONS)]}], "max_tokens": max_tokens,
+                "temperature": temperature, "stream": how != "whole" and how != "leave before the answer"}
+        conn.request("POST", "/v1/chat/completions", json.dumps(body), {"Content-Type": "application/json"})
+        if how == "leave before the answer":
+            time.sleep(0.002 * max_tokens)
+        else:
+            response = conn.getresponse()
+            assert response.status == 200
+            response.readline() if how == "leave mid-stream" else response.read()
+        conn.sock.close()
+        conn.close()
+
+    def run(plans):
+        threads = [threading.Thread(target=lambda part=plans[i::4]: [one(p) for p in part]) for i in range(4)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        deadline = time.monotonic() + 60
+        while (h := server.health())["busy"] or h["waiting"]:
+            assert time.monotonic() < deadline, h
+            time.sleep(0.05)
+        return h
+
+    try:
+        run(plans[:20])
+        before = rss_bytes()
+        h = run(plans[20:])
+        assert rss_bytes() <= 1.1 * before
+        assert h["requests"] == 200 and h["failed"] == 0 and h["cancelled"] > 0
+        assert chat(server.client, QUESTIONS[0])[1] == refs[QUESTIONS[0]][1]
+    finally:
+        server.stop()
 
 
 def test_an_exception_in_one_request_fails_it_alone(servers, refs):
@@ -519,7 +699,7 @@ def test_abort_ends_every_request_with_an_error_event(tiny):
             ended.set()
 
     prompt = encode_prompt(engine.tokenizer, engine.gen.target.args, [{"role": "user", "content": QUESTIONS[0]}], True)
-    assert engine.submit(Job(prompt, 200, GREEDY, frozenset(), (), None, emit)) == "taken"
+    assert engine.submit([Job(prompt, 200, GREEDY, frozenset(), (), None, emit)]) == "taken"
     assert ended.wait(60)
     engine.close()
     assert "error" in events[-1] and not any("finish_reason" in e for e in events)
@@ -575,8 +755,27 @@ def test_bad_flags_exit_2_with_one_line(tiny, capsys):
     assert capsys.readouterr().err.strip() == "error: --batch-size must be >= 1, got 0"
     assert serve.main([*tiny, "--batch-size", "10000000", "--port", "0"]) == 2  # caches past the memory: said before they are made
     assert capsys.readouterr().err.strip().startswith("error: 20000000 rows of caches need ")
-    for flag, value in (("--max-queue", "-1"), ("--read-timeout", "0"), ("--drain-timeout", "nan"), ("--api-key", "")):
+    for flag, value in (("--max-queue", "-1"), ("--read-timeout", "0"), ("--drain-timeout", "nan"), ("--request-timeout", "-1"), ("--api-key", "")):
         assert serve.main([*tiny, flag, value]) == 2 and capsys.readouterr().err.startswith(f"error: {flag} ")
+
+
+class Ban:
+    """A grammar (grammar.Grammar's methods) that refuses one token and allows every other."""
+
+    def __init__(self, token: int):
+        self.token, self.refused_inside = token, False
+
+    def allowed(self, out):
+        out.fill_(True)
+        out[self.token] = False
+
+    def valid(self, tokens: list) -> int:
+        j = tokens.index(self.token) if self.token in tokens else len(tokens)
+        self.refused_inside |= 0 < j < len(tokens) - 1
+        return j
+
+    def consume(self, tokens: list):
+        pass
 
 
 def test_the_default_model_answers_as_generate(single_thread):
@@ -591,7 +790,18 @@ def test_the_default_model_answers_as_generate(single_thread):
     pos = torch.arange(x.shape[1])
     with torch.inference_mode():  # the target's own log-probabilities of the answer: one vanilla forward
         want = torch.log_softmax(gen.target(x, pos, pos, causal_mask(pos, gen.target.max_seq_length))[0][0].float(), -1)[len(prompt) - 1:-1]
-    del gen
+    # a grammar refusing a token inside the trees' accepted paths: the state rewound there and the token drawn again
+    # (batch.Batch.follow) answer as a logit_bias of -100 on it in vanilla decoding
+    banned = Ban(ref[3])
+    out = []
+    row = batch.Batch(gen, 1)
+    row.add(batch.Seq(prompt, GREEDY, 0, lambda new, _: out.extend(new) or (len(out) < NEW and out[-1] not in args.stop_tokens), grammar=banned))
+    while row.live:
+        row.step()
+    plain, _ = load_generator(None, None, "none", dtype="float32", context=512)
+    assert out[:NEW] == plain.generate(prompt, NEW, Sampling(logit_bias=((ref[3], -100.0),)), args.stop_tokens).token_ids
+    assert banned.refused_inside  # a step's tokens kept up to a refused one that was not its last
+    del gen, plain
     server = Running(["--speculate", "eagle2", *TREE, "--dtype", "float32", "--context", "512", "--batch-size", "2"])
     try:
         for stream in (False, True):
@@ -605,5 +815,14 @@ def test_the_default_model_answers_as_generate(single_thread):
         for c, i in zip(r.choices[0].logprobs.content, kept):
             assert abs(c.logprob - want[i, ref[i]].item()) < 1e-4
             assert all(abs(a.logprob - b) < 1e-4 for a, b in zip(c.top_logprobs, want[i].topk(2).values.tolist()))
+        # a JSON schema: the trees' tokens followed by the grammar, the first it refuses drawn again, are its greedy JSON
+        schema = {"type": "object", "properties": {"capital": {"type": "string", "maxLength": 20}, "country": {"type": "string", "maxLength": 20}},
+                  "required": ["capital", "country"], "additionalProperties": False}
+        question = QUESTIONS[1] + " Answer in JSON with the keys capital and country."
+        _, ids, _, _, extra = chat(server.client, question, max_tokens=40,
+                                   response_format={"type": "json_schema", "json_schema": {"name": "answer", "schema": schema}})
+        prompt = encode_prompt(tokenizer, args, [{"role": "user", "content": question}], True)
+        assert ids == grammar_reference(load_generator(None, None, "none", dtype="float32", context=512)[0], tokenizer, prompt, 40, schema)
+        assert sum(extra["accept_len_hist"][1:])  # drafts accepted under the grammar
     finally:
         server.stop()

@@ -1,3 +1,4 @@
+import collections
 import copy
 import dataclasses
 import itertools
@@ -7,6 +8,7 @@ import pytest
 import torch
 
 import batch
+import generator
 import sampling
 import spectree
 import model
@@ -107,6 +109,72 @@ def test_max_new_tokens_ending_inside_a_cycle_is_exact(tiny, n):
     committed = sum((a + 1) * c for a, c in enumerate(result.accept_hist))
     assert committed > n - 1  # the last cycle really committed more than was asked for
     assert result.token_ids == tiny.ref[:n]
+
+
+# ---- logit_bias and penalties: the target's logits shaped before each draw, as OpenAI's formula says ----
+
+def shaped_reference(target, prompt: list, n: int, rule: Sampling) -> list:
+    """Greedy decoding of rule's shaped logits written out plainly: a whole forward over prompt and answer a token, then
+    logit + bias - frequency * count - presence * (count > 0), the counts of the answer so far."""
+    model = copy.deepcopy(target)
+    model.setup_caches(256)
+    out = []
+    for _ in range(n):
+        with torch.no_grad():
+            h, _ = generator.prefill(model, torch.tensor([prompt + out]), torch.tensor(0))
+            logits = model.output(h[-1]).float()
+        for t, b in rule.logit_bias:
+            logits[t] += b
+        for t, c in collections.Counter(out).items():
+            logits[t] -= rule.frequency_penalty * c + rule.presence_penalty
+        out.append(int(logits.argmax()))
+    return out
+
+
+def shaping_rule(ref: list) -> Sampling:
+    return Sampling(logit_bias=((ref[0], -100.0), (ref[7], 3.0)), frequency_penalty=1.5, presence_penalty=0.5)
+
+
+@pytest.fixture(scope="module")
+def shaped_ref(tiny):
+    want = shaped_reference(tiny.target, tiny.prompt, NEW_TOKENS, shaping_rule(tiny.ref))
+    assert want != tiny.ref[:len(want)] and tiny.ref[0] not in want  # the shaping changes the answer
+    return want
+
+
+@pytest.mark.parametrize("name", ["none", *SPECS])
+def test_logit_bias_and_penalties_shape_every_modes_draws_as_openai_says(tiny, shaped_ref, name):
+    gen = Generator(tiny.target) if name == "none" else tiny.generator(name)
+    assert gen.generate(tiny.prompt, NEW_TOKENS, shaping_rule(tiny.ref)).token_ids == shaped_ref
+    rows = gen.generate_batch([tiny.prompt, tiny.prompt[:5]], NEW_TOKENS, shaping_rule(tiny.ref))
+    assert rows[0].token_ids == shaped_ref
+
+
+@pytest.mark.parametrize("tiny", ["gqa"], indirect=True)  # the variant whose trees accept enough to show each fault
+@pytest.mark.parametrize("broken", ["the node's own token", "no tree tokens", "every committed row"])
+def test_the_shaping_test_rejects_miscounted_answers(tiny, shaped_ref, monkeypatch, broken):
+    path_counts, count = sampling.path_counts, sampling.count
+    if broken == "the node's own token":
+        monkeypatch.setattr(sampling, "path_counts", lambda tokens, anc, width: path_counts(tokens, anc & ~torch.eye(anc.shape[0], dtype=torch.bool), width))
+    elif broken == "no tree tokens":
+        monkeypatch.setattr(sampling, "path_counts", lambda tokens, anc, width: 0 * path_counts(tokens, anc, width))
+    else:
+        monkeypatch.setattr(sampling, "count", lambda st, tokens, weight: count(st, tokens, torch.ones_like(weight)))
+    assert any(tiny.generator(name).generate(tiny.prompt, NEW_TOKENS, shaping_rule(tiny.ref)).token_ids != shaped_ref for name in SPECS)
+
+
+def test_path_counts_are_each_nodes_path_below_the_root():
+    gen = torch.Generator().manual_seed(0)
+    for n in (1, 2, 9, 40):
+        parents = torch.tensor([0] + [int(torch.randint(0, i, (), generator=gen)) for i in range(1, n)])
+        tokens = torch.randint(0, 6, (n,), generator=gen)
+        counts = sampling.path_counts(tokens, spectree.ancestor_mask(parents, n), 6)
+        for i in range(n):
+            path, j = collections.Counter(), i
+            while j:
+                path[int(tokens[j])] += 1
+                j = int(parents[j])
+            assert counts[i].tolist() == [path[t] for t in range(6)]
 
 
 @pytest.mark.parametrize("name", ["eagle2-3-4-8", "eagle"])
@@ -334,9 +402,9 @@ def fresh_bonus(monkeypatch):
     real_draw, real_accept = sampling.lm_head_draw, spectree.accept
     last = {}
 
-    def draw(output, h, kind, st=None, noise=None, rows=None):  # every target draw, whichever way the backend makes it
+    def draw(output, h, kind, st=None, noise=None, rows=None, seen=None):  # every target draw, whichever way the backend makes it
         last["probs"] = sampling.rule_probs(output(h), st)
-        return real_draw(output, h, kind, st, noise, rows)
+        return real_draw(output, h, kind, st, noise, rows, seen)
 
     def accept(tokens, parents, depths, draws, depth):
         accept_len, path, _ = real_accept(tokens, parents, depths, draws, depth)
