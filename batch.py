@@ -341,7 +341,7 @@ def reuse_start(prompt: list, stream: list, target_held: int, head_held: int, pa
     head_held pairs): at the first token that differs, at least one token before the prompt's end; with a head (pairs)
     the token before it is read again, since the head's next pair needs its feature."""
     common = next((i for i, (a, b) in enumerate(zip(prompt, stream)) if a != b), min(len(prompt), len(stream)))
-    return max(0, min(common - pairs, target_held, head_held, len(prompt) - 1))
+    return max(0, min(common - pairs, target_held, head_held if pairs else target_held, len(prompt) - 1))
 
 
 def describe(spec) -> str:

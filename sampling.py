@@ -162,20 +162,21 @@ def draw(logits: Tensor, kind: str, st=None, noise=None, seen=None) -> Tensor:
 
 
 def shaped(logits: Tensor, st, seen=None) -> Tensor:
-    """logits as OpenAI's logit_bias and penalties shape them before a draw: + bias - frequency * c - presence * (c > 0),
-    c each token's count in the answer so far: st.counts (what was committed) plus seen (what a tree node's path adds);
-    then only st.allowed tokens left."""
+    """logits as OpenAI's logit_bias and penalties shape them before a draw, + bias - frequency * c - presence * (c > 0) with
+    c each token's count in the answer (st.counts, plus seen: a tree node's path), then only st.allowed tokens left."""
     c = st.counts if seen is None else st.counts + seen
     return (logits.float() + st.bias - st.frequency * c - st.presence * (c > 0).float()).masked_fill(~st.allowed, float("-inf"))
 
 
 def path_counts(tokens: Tensor, anc: Tensor, width: int) -> Tensor:
-    """[n, width]: each token's count on each tree node's path below the root, the node included (anc: ancestor mask)."""
-    return torch.zeros(anc.shape[0], width, device=anc.device).scatter_add(1, tokens[1:].expand(anc.shape[0], -1), anc[:, 1:].float())
+    """[n, width]: each token's count on each tree node's path below the root, the node included (anc: ancestor mask).
+    index_put, as count: compiled under torch.vmap, scatter_add fixes the number of rows (batch.py)."""
+    at = (torch.arange(len(anc), device=anc.device)[:, None].expand(-1, len(anc) - 1), tokens[1:].expand(len(anc), -1))
+    return torch.zeros(len(anc), width, device=anc.device).index_put(at, anc[:, 1:].float(), accumulate=True)
 
 
 def count(st, tokens: Tensor, weight: Tensor):  # st.counts += each token's weight (1 if committed)
-    st.counts.add_(torch.zeros_like(st.counts).scatter_add(0, tokens, weight.float()))
+    st.counts.add_(torch.zeros_like(st.counts).index_put((tokens,), weight.float(), accumulate=True))
 
 
 @dataclass(frozen=True)

@@ -121,8 +121,7 @@ class SpecState(nn.Module):
             self.register_buffer("scratch_eye", torch.eye(max(scratch, spec.scratch), dtype=torch.bool, device=device))
 
     def set_rule(self, rule: Sampling, key: int, grammar=None):
-        """The sampling rule the next steps draw with, the key of the sequence's Gumbels (sampling.key_of), no count, the
-        tokens grammar allows first (grammar.py; None: all)."""
+        """The rule the next steps draw with, its Gumbels' key (sampling.key_of), no count, grammar's first mask (or all)."""
         for name, value in (("temperature", rule.temperature), ("top_k", rule.top_k), ("top_p", rule.top_p), ("key", key),
                             ("frequency", rule.frequency_penalty), ("presence", rule.presence_penalty)):
             getattr(self, name).fill_(value)

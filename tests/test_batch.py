@@ -5,7 +5,9 @@ from types import SimpleNamespace
 import pytest
 import torch
 
+import batch
 import quant
+import sampling
 import spectree
 from eaglet import Generator
 from sampling import Sampling
@@ -117,6 +119,25 @@ def test_compiled_batches_equal_their_prompts_alone_without_recompiling(tiny):
     assert [r.token_ids for r in first + second] == tiny.refs == [r.token_ids for r in queued]
     three = gen.generate_batch(tiny.prompts[:3], NEW_TOKENS, GREEDY, tiny.stop)  # the rows' dim is dynamic: one graph for every count
     assert counters["stats"]["unique_graphs"] == graphs and [r.token_ids for r in three] == tiny.refs[:3]
+
+
+def test_a_compiled_shaped_row_alone_then_beside_others_answers_as_alone(tiny):
+    """serve.py's warm-up order: a lone row of a truncating rule (top-p, a penalty) takes the batched plain step beside a
+    second row, in rows made for more; the step compiled then serves every count of rows (scatter_add under vmap fixed
+    the rows' dim at the first count, and the server failed to start). Each row draws as eager decoding alone."""
+    rule = Sampling(1.0, top_p=0.9, frequency_penalty=0.5, logit_bias=((3, 2.0),))
+    want = [generator(tiny, "eagle2-lookup").generate(p, 8, rule, tiny.stop, seed=i).token_ids for i, p in enumerate(tiny.prompts[:3])]
+    gen = generator(tiny, "eagle2-lookup", compile=True)
+    gen.reserve(64)  # as the engine does: caches for every request, before the rows
+    rows = batch.Batch(gen, 4, 4)
+    for n in (1, 3):
+        got = [[] for _ in range(n)]
+        for i in range(n):
+            rows.add(batch.Seq(tiny.prompts[i], rule, sampling.key_of(i), lambda new, _, out=got[i]: out.extend(new) or (
+                len(out) < 8 and out[-1] not in tiny.stop)))
+        while rows.live:
+            rows.step()
+        assert [g[:8] for g in got] == want[:n]
 
 
 def test_compiled_generators_sharing_a_target_take_turns_without_recompiling(tiny):

@@ -291,6 +291,20 @@ def test_fields_at_their_off_values_and_inert_fields_change_nothing(servers, ref
     assert text.choices[0].finish_reason in ("stop", "length")
 
 
+@pytest.mark.parametrize("mode", MODES)
+def test_a_conversations_next_turn_prefills_only_its_new_tokens_and_answers_as_a_fresh_run(servers, refs, tiny, mode):
+    # the row that answered keeps its prompt and answer: a request that continues them (token ids, as a chat client's
+    # history of the same tokens) reads them from its caches and prefills only what follows
+    prompt, ref = refs["plain"]
+    first = servers[mode].client.completions.create(model="m", prompt=prompt, max_tokens=NEW)
+    assert first.model_extra["eaglet"]["token_ids"] == ref
+    whole = prompt + ref + prompt[1:6]
+    r = servers[mode].client.completions.create(model="m", prompt=whole, max_tokens=NEW)
+    gen, _ = load_generator(Path(tiny[1]), None, "none", dtype="float32")
+    assert r.model_extra["eaglet"]["token_ids"] == gen.generate(whole, NEW, GREEDY, refs.stops).token_ids
+    assert r.model_extra["eaglet"]["prefilled"] <= 5 + 2
+
+
 @pytest.mark.parametrize("stream", [False, True])
 def test_n_choices_are_each_the_answer_of_its_own_seed(servers, refs, tiny, stream):
     # choice i of a request with seed s is what seed s + i gives alone (sampling.py: draws keyed by the seed), in rows
