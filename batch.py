@@ -157,7 +157,7 @@ class Seq:
     tag: object = None  # the caller's own (engine.py: the request)
     logprobs: Optional[int] = None  # the top alternatives wanted beside each token's log-probability (None: none)
     scored: list = field(default_factory=list)  # with logprobs: sampling.logprobs of the tokens commit is given
-    grammar: object = None  # what its tokens must follow (grammar.Grammar): its rows take plain steps, a mask each
+    grammar: object = None  # what its tokens must follow (grammar.Grammar): each step's tokens followed (follow)
 
 
 class Batch:

@@ -179,9 +179,9 @@ class Engine:
                 self.counts["cancelled"] += 1
                 continue
             try:
-                constraint = job.grammar and Grammar(job.grammar, self.tokenizer, self.gen.target.args.vocab_size, self.stops)
+                constraint = Grammar(job.grammar, self.tokenizer, self.gen.target.args.vocab_size, self.stops) if job.grammar else None
                 job.seq = batch.Seq(job.prompt, job.sampling, rule_key(job.seed), lambda new, accept_len, job=job: self.commit(job, new, accept_len),
-                                    tag=job, logprobs=job.logprobs, grammar=constraint or None)
+                                    tag=job, logprobs=job.logprobs, grammar=constraint)
                 self.batch.add(job.seq)
             except Exception as e:  # this request fails alone (its prefill)
                 traceback.print_exc()
