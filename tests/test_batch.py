@@ -30,7 +30,7 @@ SPECS = {
 
 @pytest.fixture(scope="module")
 def tiny(single_thread, tiny_args, random_model, random_head, random_eagle3_head):
-    args = tiny_args(n_layer=4)
+    args = tiny_args()
     target = random_model(args, seed=0)
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(0, args.vocab_size, (n,), generator=g).tolist() for n in (10, 3, 17, 6)]

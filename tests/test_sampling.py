@@ -272,6 +272,9 @@ COUPLED = {  # eagle2 widths (3, 3, 3, 1): 4 levels; the static tree 5
     "eagle2-T0.7-top-k4": (TreeSpec("eagle2", 4, 4, 10), Sampling(0.7, top_k=4)),
     # widths (3, 6, 4, 1): level 2 wider than the draft vocabulary of V - 1 = 5 (--draft-vocab below a level's width)
     "eagle2-wider-than-the-draft-vocabulary": (TreeSpec("eagle2", 4, 4, 14), T1),
+    # depth 3, shallower than the 4 tokens counted: the token after a path accepted to full depth (the deepest nodes'
+    # draw, noise row 3) is the 4th; in the trees above it is a 5th, never counted
+    "eagle2-depth-3": (TreeSpec("eagle2", 3, 4, 10), T1),
 }
 PVALUES = {}  # case -> p-value, for a report of the figures
 
@@ -375,18 +378,32 @@ def parents_row(draw):
     return drawn
 
 
+def deepest_read_the_row_above(draw):
+    """Broken: the deepest nodes' draws (the token after a path accepted to full depth) read the noise row of the depth
+    above, the one their parents' draws read: that token is drawn with the Gumbels of the token before it."""
+    def drawn(output, h, kind, st=None, noise=None, rows=None, seen=None):
+        return draw(output, h, kind, st, noise, None if rows is None else rows.clamp(max=len(noise) - 2), seen)
+    return drawn
+
+
 BROKEN = {  # -> [(module, name, replacement)]
     "pool-rerank": lambda: [(speculate, "draft_coupled", pool_rerank)],
     "noise-row-d-ranks-depth-d": lambda: [(speculate, "draft_coupled", noise_a_row_deeper(speculate.draft_coupled)),
                                           (speculate, "draft_static", noise_a_row_deeper(speculate.draft_static))],
     "rows-copying-row-1": lambda: [(sampling, "noise", rows_copying_row_1(sampling.noise))],
     "draws-read-their-parents-row": lambda: [(sampling, "lm_head_draw", parents_row(sampling.lm_head_draw))],
+    "deepest-draw-reads-the-row-above": lambda: [(sampling, "lm_head_draw", deepest_read_the_row_above(sampling.lm_head_draw))],
 }
 IN_THE_DRAFTS = ("pool-rerank", "noise-row-d-ranks-depth-d")
-IN_THE_NOISE = ("rows-copying-row-1", "draws-read-their-parents-row")
+IN_THE_NOISE = ("rows-copying-row-1", "draws-read-their-parents-row", "deepest-draw-reads-the-row-above")
 
 
-@pytest.mark.parametrize("mode", ["eagle2", "eagle", "eagle2-lookup", "eagle2-T0.7-top-k4"])
+def counted(broken: str, spec: TreeSpec) -> bool:
+    """Whether the 4 tokens counted can show broken: the deepest nodes' draw is the 4th only in a tree of depth 3 or less."""
+    return broken != "deepest-draw-reads-the-row-above" or spec.depth < 4
+
+
+@pytest.mark.parametrize("mode", ["eagle2", "eagle", "eagle2-lookup", "eagle2-T0.7-top-k4", "eagle2-depth-3"])
 def test_a_key_commits_vanilla_decodings_tokens_whatever_the_drafts(mode, monkeypatch):
     # The token at a position is argmax(log p + T G) over the kept tokens, G keyed by (key, position), whatever drafted
     # it: the drafts decide how many tokens a cycle commits, never which. So a coupling broken in the drafts (a pool
@@ -398,16 +415,16 @@ def test_a_key_commits_vanilla_decodings_tokens_whatever_the_drafts(mode, monkey
     want = plain_tokens(samp, keys, len(prompt_of(spec)))
     assert torch.equal(run_cycles(spec, samp, 2000, keys=keys)[0], want)
     for broken in IN_THE_DRAFTS + IN_THE_NOISE:
-        if broken == "pool-rerank" and spec.mode != "eagle2":
-            continue  # it replaces draft_coupled, which only eagle2 runs
+        if broken == "pool-rerank" and spec.mode != "eagle2" or not counted(broken, spec):
+            continue  # it replaces draft_coupled, which only eagle2 runs; its token is past the 4 counted
         with monkeypatch.context() as m:
             for module, name, fn in BROKEN[broken]():
                 m.setattr(module, name, fn)
             assert torch.equal(run_cycles(spec, samp, 2000, keys=keys)[0], want) == (broken in IN_THE_DRAFTS), broken
 
 
-@pytest.mark.parametrize("broken", IN_THE_NOISE)
-@pytest.mark.parametrize("mode", ["eagle2", "eagle"])
+@pytest.mark.parametrize("broken,mode", [(b, m) for b in IN_THE_NOISE[:2] for m in ("eagle2", "eagle")]
+                         + [("deepest-draw-reads-the-row-above", "eagle2-depth-3")])
 def test_the_law_test_rejects_a_broken_coupling(broken, mode, chi2_pvalue, monkeypatch):
     for module, name, fn in BROKEN[broken]():
         monkeypatch.setattr(module, name, fn)
